@@ -1,0 +1,120 @@
+"""python -m llmtrace "The capital of France is": the trace table, then the generated text."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from .errors import LlmTraceError
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m llmtrace", description=__doc__)
+    p.add_argument("prompt", help="the text to continue")
+    p.add_argument("--model", default=None,
+                   help="auto (default, or $LLMTRACE_MODEL), embedded, tinyllama, a HF directory or a .gguf file")
+    p.add_argument("--max-new-tokens", type=int, default=20)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=1, help="layers shown in full in the table (default 1)")
+    p.add_argument("--all-layers", action="store_true", help="show every layer in the table")
+    p.add_argument("--shapes-only", action="store_true",
+                   help="trace TinyLlama-1.1B's shapes on the meta device: no weights needed")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    return p.parse_args(argv)
+
+
+def check_args(args) -> None:
+    from .sampling import check_sampling
+
+    if not args.prompt:
+        raise LlmTraceError("the prompt is empty: give at least one character of text")
+    if args.max_new_tokens < 1:
+        raise LlmTraceError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    if args.model is not None:
+        from .models import CHOICES
+        from pathlib import Path
+
+        if args.model not in CHOICES and not Path(args.model).expanduser().exists():
+            raise LlmTraceError(f"unknown model {args.model!r}: use one of {', '.join(CHOICES)}, "
+                                f"a Hugging Face model directory or a .gguf file")
+
+
+def top_candidates(tokenizer, logits: torch.Tensor, n: int = 10) -> list[dict]:
+    from .tokenize import display_piece
+
+    probs = torch.softmax(logits.float(), -1)
+    top = probs.topk(n)
+    return [{"id": int(i), "piece": display_piece(tokenizer, int(i)), "logit": round(float(logits[i]), 4),
+             "prob": round(float(p), 6)} for p, i in zip(top.values, top.indices)]
+
+
+def run_shapes_only(args) -> dict:
+    from .model import meta_model
+    from .tokenize import display_piece
+    from .weights.tokenizer_llama import llama_tokenizer
+
+    tok = llama_tokenizer()
+    model = meta_model("tinyllama-1.1b", tok)
+    ids = model.encode(args.prompt)
+    _, trace = model.run(ids, keep_values=False)
+    return {"model": model.name, "source": model.source, "config": model.config.to_dict(),
+            "input_ids": ids[0].tolist(), "input_pieces": [display_piece(tok, i) for i in ids[0].tolist()],
+            "trace": trace, "generation": None}
+
+
+def run_live(args) -> dict:
+    from .generate import generate
+    from .models import load_model
+    from .tokenize import display_piece
+
+    model = load_model(args.model)
+    g = generate(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+                 keep_values=False)  # the CLI prints shapes, not values
+    tok = model.tokenizer
+    return {"model": model.name, "source": model.source, "config": model.config.to_dict(),
+            "input_ids": g.prompt_ids, "input_pieces": [display_piece(tok, i) for i in g.prompt_ids],
+            "trace": g.steps[0], "generation": g,
+            "top10": top_candidates(tok, g.step_logits[0]),
+            "new_pieces": [display_piece(tok, i) for i in g.new_ids]}
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        check_args(args)  # before loading anything: bad flags fail at once
+        out = run_shapes_only(args) if args.shapes_only else run_live(args)
+    except LlmTraceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    trace, g = out.pop("trace"), out.pop("generation")
+    if args.json:
+        out["trace"] = trace.to_dicts()
+        if g is not None:
+            out.update(generated_ids=g.new_ids, generated_text=g.text, stop_reason=g.stop_reason)
+        print(json.dumps(out, ensure_ascii=False))
+        return 0
+    c = out["config"]
+    print(f"model: {out['model']} ({out['source']}): {c['n_layers']} layers, hidden {c['hidden_size']}, "
+          f"heads {c['n_heads']}/{c['n_kv_heads']}, vocab {c['vocab_size']}")
+    print("input: " + " ".join(f"{i}:{p!r}" for i, p in zip(out["input_ids"], out["input_pieces"])))
+    print()
+    print(trace.table(layers=None if args.all_layers else args.layers))
+    print(f"\ntotal multiply-adds: {trace.total_macs:,}")
+    if g is not None:
+        print("\ntop candidates for the first new token:")
+        for row in out["top10"]:
+            print(f"  {row['id']:>6}  {row['piece']!r:<14} logit {row['logit']:8.3f}  p {row['prob']:.4f}")
+        print(f"\ngenerated ({len(g.new_ids)} tokens, stopped at {g.stop_reason}):")
+        print(args.prompt + g.text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

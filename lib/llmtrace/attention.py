@@ -1,0 +1,79 @@
+"""Self-attention with grouped-query attention (GQA), written out op by op.
+
+Shape comments give symbols, then TinyLlama's prefill numbers (B=1, T=6, H=32, KV=4, head_dim=64);
+S is the number of positions the cache holds after this step's write (S = T at prefill).
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .rope import apply_rope
+from .trace import NO_TRACE
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, KV, S, head_dim] -> [B, KV*n_rep, S, head_dim]: KV head g serves query heads
+    g*n_rep .. g*n_rep + n_rep-1 (with TinyLlama, head 0 serves query heads 0-7)."""
+    B, KV, S, hd = x.shape
+    if n_rep == 1:
+        return x
+    return x[:, :, None].expand(B, KV, n_rep, S, hd).reshape(B, KV * n_rep, S, hd)
+
+
+def causal_mask(T: int, S: int, start: int, device=None) -> torch.Tensor:
+    """[T, S] additive mask: 0 where query i (at position start+i) may see key j, -inf elsewhere.
+
+    Once the cache holds `start` earlier positions, every query sees all of them: the mask is a
+    block of zeros [T, start] beside the usual triangle. A single decode query sees everything."""
+    blocked = torch.ones(T, S, dtype=torch.bool, device=device).triu(diagonal=start + 1)
+    return torch.zeros(T, S, device=device).masked_fill(blocked, float("-inf"))
+
+
+def attention(x, w, config, cos, sin, mask, cache, layer, start, trace=NO_TRACE, name="attn"):
+    """x [B, T, D] -> [B, T, D]. cos, sin: RoPE tables [T, head_dim]; mask: `causal_mask` [T, S]."""
+    B, T, D = x.shape
+    H, KV, hd = config.n_heads, config.n_kv_heads, config.head_dim
+
+    # Projections: Q for every query head, K and V for the (fewer) KV heads.
+    q = trace.record(f"{name}.q_proj", "x @ W_q^T", F.linear(x, w.q_proj), B * T * D * H * hd)  # [B, T, H*hd]  [1, 6, 2048]
+    k = trace.record(f"{name}.k_proj", "x @ W_k^T", F.linear(x, w.k_proj), B * T * D * KV * hd)  # [B, T, KV*hd]  [1, 6, 256]
+    v = trace.record(f"{name}.v_proj", "x @ W_v^T", F.linear(x, w.v_proj), B * T * D * KV * hd)  # [B, T, KV*hd]  [1, 6, 256]
+    q = trace.record(f"{name}.q", f"split into {H} heads", q.view(B, T, H, hd))  # [B, T, H, hd]  [1, 6, 32, 64]
+    k = trace.record(f"{name}.k", f"split into {KV} heads", k.view(B, T, KV, hd))  # [B, T, KV, hd]  [1, 6, 4, 64]
+    v = trace.record(f"{name}.v", f"split into {KV} heads", v.view(B, T, KV, hd))  # [B, T, KV, hd]  [1, 6, 4, 64]
+
+    # Position enters here, and only into Q and K: V carries content.
+    q = apply_rope(q, cos, sin, trace, f"{name}.rope_q")  # [B, T, H, hd]  [1, 6, 32, 64]
+    k = apply_rope(k, cos, sin, trace, f"{name}.rope_k")  # [B, T, KV, hd]  [1, 6, 4, 64]
+
+    # Write this step's K and V into the cache, read back every position so far.
+    if cache is not None:
+        k_all, v_all = cache.update(layer, start, k, v)  # [B, S, KV, hd]  [1, 6, 4, 64]
+        where = f"write {start}:{start + T}, read 0:{start + T}"
+    else:  # no cache: this pass computed every position itself
+        k_all, v_all, where = k, v, f"no cache: this pass's {T} positions"
+    S = k_all.shape[1]
+    trace.record(f"{name}.kv_cache.k", f"K cache: {where}", k_all)
+    trace.record(f"{name}.kv_cache.v", f"V cache: {where}", v_all)
+
+    # Heads first, then GQA: repeat each KV head for the query heads that share it.
+    q = q.transpose(1, 2)  # [B, H, T, hd]  [1, 32, 6, 64]
+    k_exp = trace.record(f"{name}.k_expanded", f"GQA: {KV} -> {H} heads",
+                         repeat_kv(k_all.transpose(1, 2), config.n_rep))  # [B, H, S, hd]  [1, 32, 6, 64]
+    v_exp = trace.record(f"{name}.v_expanded", f"GQA: {KV} -> {H} heads",
+                         repeat_kv(v_all.transpose(1, 2), config.n_rep))  # [B, H, S, hd]  [1, 32, 6, 64]
+
+    scores = q @ k_exp.transpose(-2, -1) / math.sqrt(hd)  # [B, H, T, S]  [1, 32, 6, 6]
+    trace.record(f"{name}.scores", f"q @ k^T / sqrt({hd})", scores, B * H * T * S * hd)
+    trace.record(f"{name}.causal_mask", f"0 where key <= query position, -inf after ({start} cached)", mask)  # [T, S]  [6, 6]
+    scores = trace.record(f"{name}.masked_scores", "scores + causal_mask", scores + mask)  # [B, H, T, S]
+    weights = trace.record(f"{name}.weights", "softmax over keys (rows sum to 1)",
+                           F.softmax(scores, dim=-1))  # [B, H, T, S]  [1, 32, 6, 6]
+    out = trace.record(f"{name}.weighted_sum", "weights @ v", weights @ v_exp, B * H * T * S * hd)  # [B, H, T, hd]  [1, 32, 6, 64]
+
+    out = out.transpose(1, 2).reshape(B, T, H * hd)  # [B, T, H*hd]  [1, 6, 2048]
+    trace.record(f"{name}.merged", "heads back side by side", out)
+    out = F.linear(out, w.o_proj)  # [B, T, D]  [1, 6, 2048]
+    return trace.record(f"{name}.out", "merged @ W_o^T", out, B * T * H * hd * D)

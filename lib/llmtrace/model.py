@@ -1,0 +1,186 @@
+"""The block and the stack: embed -> L x (attention, MLP, with residuals) -> final norm -> LM head.
+
+Weights arrive as a state dict in Hugging Face's naming (`model.layers.3.self_attn.q_proj.weight`),
+checked against the config; the model never knows which file they came from. The same forward pass
+runs on real fp32 weights (values) and on PyTorch's `meta` device (shapes only, no memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .attention import attention, causal_mask
+from .config import Config
+from .embed import embed
+from .errors import LlmTraceError
+from .kv_cache import KVCache
+from .mlp import swiglu
+from .norm import rms_norm
+from .rope import rope_cos_sin
+from .trace import NO_TRACE, Trace
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # [D]
+    q_proj: torch.Tensor  # [H*hd, D]   (out, in), as F.linear takes it
+    k_proj: torch.Tensor  # [KV*hd, D]
+    v_proj: torch.Tensor  # [KV*hd, D]
+    o_proj: torch.Tensor  # [D, H*hd]
+    mlp_norm: torch.Tensor  # [D]
+    gate: torch.Tensor  # [F, D]
+    up: torch.Tensor  # [F, D]
+    down: torch.Tensor  # [D, F]
+
+
+@dataclass
+class Weights:
+    embed: torch.Tensor  # [V, D]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [D]
+    lm_head: torch.Tensor  # [V, D]; the same tensor as `embed` when the head is tied
+
+
+def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
+    """Every weight's name (HF naming) and the shape the config implies."""
+    D, hd = c.hidden_size, c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, D), "model.norm.weight": (D,)}
+    for i in range(c.n_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (D,),
+            p + "self_attn.q_proj.weight": (c.n_heads * hd, D),
+            p + "self_attn.k_proj.weight": (c.n_kv_heads * hd, D),
+            p + "self_attn.v_proj.weight": (c.n_kv_heads * hd, D),
+            p + "self_attn.o_proj.weight": (D, c.n_heads * hd),
+            p + "post_attention_layernorm.weight": (D,),
+            p + "mlp.gate_proj.weight": (c.ffn_size, D),
+            p + "mlp.up_proj.weight": (c.ffn_size, D),
+            p + "mlp.down_proj.weight": (D, c.ffn_size),
+        })
+    if not c.tied_lm_head:
+        shapes["lm_head.weight"] = (c.vocab_size, D)
+    return shapes
+
+
+def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor], source: str = "checkpoint") -> Weights:
+    """Check every tensor against the config, then arrange them by layer."""
+    for name, shape in expected_shapes(c).items():
+        if name not in sd:
+            raise LlmTraceError(f"{source}: tensor {name} is missing (config {c.name!r} expects it)")
+        if tuple(sd[name].shape) != shape:
+            raise LlmTraceError(f"{source}: {name} has shape {list(sd[name].shape)} but the config implies "
+                                f"{list(shape)}: the checkpoint and its config.json disagree")
+
+    def layer(i):
+        p = f"model.layers.{i}."
+        return LayerWeights(
+            sd[p + "input_layernorm.weight"], sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"],
+            sd[p + "self_attn.v_proj.weight"], sd[p + "self_attn.o_proj.weight"], sd[p + "post_attention_layernorm.weight"],
+            sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"], sd[p + "mlp.down_proj.weight"])
+
+    head = sd["model.embed_tokens.weight"] if c.tied_lm_head else sd["lm_head.weight"]
+    return Weights(sd["model.embed_tokens.weight"], [layer(i) for i in range(c.n_layers)], sd["model.norm.weight"], head)
+
+
+def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
+    """The inverse, in HF naming (used to write HF checkpoints)."""
+    sd = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm}
+    for i, lw in enumerate(w.layers):
+        p = f"model.layers.{i}."
+        sd.update({p + "input_layernorm.weight": lw.attn_norm, p + "self_attn.q_proj.weight": lw.q_proj,
+                   p + "self_attn.k_proj.weight": lw.k_proj, p + "self_attn.v_proj.weight": lw.v_proj,
+                   p + "self_attn.o_proj.weight": lw.o_proj, p + "post_attention_layernorm.weight": lw.mlp_norm,
+                   p + "mlp.gate_proj.weight": lw.gate, p + "mlp.up_proj.weight": lw.up,
+                   p + "mlp.down_proj.weight": lw.down})
+    if not c.tied_lm_head:
+        sd["lm_head.weight"] = w.lm_head
+    return sd
+
+
+class Model:
+    def __init__(self, config: Config, weights: Weights, tokenizer=None, source: str = ""):
+        self.config = config
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self.source = source  # where the weights came from, for banners and --json
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.embed.device
+
+    @property
+    def is_meta(self) -> bool:
+        return self.device.type == "meta"
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        c = self.config
+        return KVCache(c.n_layers, max_len, c.n_kv_heads, c.head_dim, batch, self.device, self.weights.embed.dtype)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, trace=NO_TRACE, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        """ids [B, T] at positions start..start+T-1 -> logits [B, T, V]. With a cache, K and V of
+        positions before `start` are read from it; without one, `start` must be 0."""
+        c, w = self.config, self.weights
+        B, T = ids.shape
+        if start + T > c.max_positions:
+            raise LlmTraceError(f"{start + T} positions exceed {c.name}'s context of {c.max_positions}: "
+                                f"shorten the prompt or lower max_new_tokens")
+        if cache is None and start:
+            raise LlmTraceError("start > 0 needs a KV cache holding the earlier positions")
+        ids = ids.to(self.device)
+
+        x = embed(ids, w.embed, trace)  # [B, T, D]  [1, 6, 2048]
+        positions = torch.arange(start, start + T, device=self.device)  # [T]
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)  # [T, head_dim] each
+        mask = causal_mask(T, start + T, start, self.device)  # [T, S]: the same for every layer
+
+        for i, lw in enumerate(w.layers):
+            p = f"layers.{i}"
+            h = rms_norm(x, lw.attn_norm, c.norm_eps, trace, f"{p}.attn_norm")  # [B, T, D]
+            h = attention(h, lw, c, cos, sin, mask, cache, i, start, trace, f"{p}.attn")  # [B, T, D]
+            x = trace.record(f"{p}.resid_mid", "x + attn(attn_norm(x))", x + h)  # [B, T, D]  [1, 6, 2048]
+            h = rms_norm(x, lw.mlp_norm, c.norm_eps, trace, f"{p}.mlp_norm")  # [B, T, D]
+            h = swiglu(h, lw, trace, f"{p}.mlp")  # [B, T, D]
+            x = trace.record(f"{p}.resid_out", "h + mlp(mlp_norm(h))", x + h)  # [B, T, D]  [1, 6, 2048]
+
+        if cache is not None:
+            cache.length = start + T
+        x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm")  # [B, T, D]  [1, 6, 2048]
+        logits = F.linear(x, w.lm_head)  # [B, T, V]  [1, 6, 32000]
+        head = "tied: embed_tokens" if c.tied_lm_head else "lm_head"
+        return trace.record("lm_head", f"x @ W^T ({head})", logits, B * T * c.hidden_size * c.vocab_size)
+
+    def encode(self, prompt: str, bos: bool | None = None) -> torch.Tensor:
+        if not isinstance(prompt, str) or not prompt:
+            raise LlmTraceError("the prompt is empty: give at least one character of text")
+        if self.tokenizer is None:
+            raise LlmTraceError(f"model {self.name} has no tokenizer: pass token ids instead of text")
+        return torch.tensor([self.tokenizer.encode(prompt, bos=bos)])  # [1, T]
+
+    def run(self, prompt: str | torch.Tensor, keep_values: bool = True, names=None) -> tuple[torch.Tensor, Trace]:
+        """One traced forward pass over the prompt (a string or ids [1, T]): (logits, trace)."""
+        ids = self.encode(prompt) if isinstance(prompt, str) else prompt
+        trace = Trace(keep_values=keep_values, names=names, label="prefill")
+        cache = self.new_cache(ids.shape[1])
+        return self.forward(ids, trace, cache), trace
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"Model({c.name}: {c.n_layers} layers, hidden {c.hidden_size}, heads {c.n_heads}/{c.n_kv_heads}, "
+                f"vocab {c.vocab_size}, {'meta' if self.is_meta else self.weights.embed.dtype})")
+
+
+def meta_model(config: Config | str, tokenizer=None) -> Model:
+    """A model whose weights live on PyTorch's `meta` device: every op computes shapes, not
+    values, and allocates nothing. Tracing it gives the exact shape walk of any config."""
+    c = Config.from_name(config) if isinstance(config, str) else config
+    sd = {name: torch.empty(shape, device="meta") for name, shape in expected_shapes(c).items()}
+    return Model(c, weights_from_state_dict(c, sd, "meta"), tokenizer, source="meta device (shapes only)")

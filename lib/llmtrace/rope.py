@@ -1,0 +1,63 @@
+"""RoPE: encode position by rotating pairs of dimensions of Q and K by an angle position * freq.
+
+Dimension pairs follow Hugging Face's half-split convention: dimension d turns with d + head_dim/2.
+Meta's original code pairs adjacent dimensions (2i, 2i+1) instead; the two agree once the rows of
+W_q and W_k are permuted (`adjacent_to_half_split`), which is what HF's converter does and what
+llama.cpp's converter undoes, so a GGUF file stores its Q and K rows in the adjacent layout.
+"""
+
+import torch
+
+from .trace import NO_TRACE
+
+
+def rope_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """freq_i = theta^(-2i / head_dim) for each of the head_dim/2 pairs: 1.0 first, slowest last."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / theta**exponents  # [head_dim/2]  [32]
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = rope_frequencies(head_dim, theta, positions.device)  # [head_dim/2]
+    angles = positions.float()[:, None] * freqs[None, :]  # [T, head_dim/2]  [6, 32]
+    angles = torch.cat([angles, angles], dim=-1)  # [T, head_dim]: pair (d, d + head_dim/2) shares an angle
+    return angles.cos(), angles.sin()  # [T, head_dim] each  [6, 64]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (a, b) -> (-b, a) for every pair
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, trace=NO_TRACE, name: str = "rope") -> torch.Tensor:
+    """x: [B, T, n_heads, head_dim]. Rotates each pair (x[d], x[d+half]) by its angle:
+    x[d]      -> x[d] cos - x[d+half] sin
+    x[d+half] -> x[d+half] cos + x[d] sin"""
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, head_dim]: the same angle for every head
+    out = x * cos + rotate_half(x) * sin  # [B, T, n_heads, head_dim]  [1, 6, 32, 64]
+    return trace.record(name, "rotate pairs (d, d+head_dim/2) by position * freq", out)
+
+
+def apply_rope_adjacent(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Meta's convention, for comparison: pairs (2i, 2i+1) rotated as complex numbers."""
+    head_dim = x.shape[-1]
+    angles = positions.float()[:, None] * rope_frequencies(head_dim, theta)[None, :]  # [T, head_dim/2]
+    rot = torch.polar(torch.ones_like(angles), angles)[:, None, :]  # [T, 1, head_dim/2] complex
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], head_dim // 2, 2))  # [B, T, H, head_dim/2]
+    return torch.view_as_real(pairs * rot).flatten(-2)  # [B, T, H, head_dim]
+
+
+def adjacent_to_half_split(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder the rows of W_q or W_k ([n_heads*head_dim, in]) from the adjacent-pair layout to the
+    half-split one: within each head, rows (0, 2, 4, ...) come first, then (1, 3, 5, ...).
+    Use n_heads = query heads for W_q and KV heads for W_k."""
+    out_dim, in_dim = w.shape
+    head_dim = out_dim // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def half_split_to_adjacent(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse: the permutation HF-to-GGUF converters apply."""
+    out_dim, in_dim = w.shape
+    head_dim = out_dim // n_heads
+    return w.reshape(n_heads, 2, head_dim // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)

@@ -1,0 +1,176 @@
+"""The trace: an ordered record of every operation's output.
+
+Each layer calls `trace.record(name, op, tensor, macs)` once per operation and gets its tensor
+back. Names say where and what, following the module tree: `layers.3.attn.scores`. The record
+keeps the tensor itself (no copy: it is the very tensor the next op reads) unless the trace was
+asked for shapes only or for a subset of names. With tracing off, `NO_TRACE.record` just returns
+the tensor.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from .errors import LlmTraceError
+
+
+@dataclass
+class Record:
+    name: str  # where and what: "layers.3.attn.scores"
+    op: str  # how it was computed: "q @ k^T / sqrt(64)"
+    shape: tuple[int, ...]
+    dtype: str  # "float32", "int64"
+    macs: int  # multiply-adds this op performed (0 for lookups, reshapes and element-wise ops)
+    tensor: torch.Tensor | None  # None when the trace keeps shapes only or filtered this name out
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "op": self.op, "shape": list(self.shape), "dtype": self.dtype, "macs": self.macs}
+
+
+def _name_filter(names) -> Callable[[str], bool]:
+    if names is None:
+        return lambda name: True
+    if callable(names):
+        return names
+    patterns = [names] if isinstance(names, str) else list(names)
+    return lambda name: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+class Trace:
+    """Records of one forward pass (or one sampling step), in the order they ran.
+
+    keep_values=False keeps shapes, dtypes and costs but no tensors. `names` (a glob, a list of
+    globs, or a callable on the name) chooses which records keep their tensor; every operation is
+    recorded either way, so the data flow stays complete.
+    """
+
+    enabled = True
+
+    def __init__(self, keep_values: bool = True, names=None, label: str = ""):
+        self.keep_values = keep_values
+        self._keep = _name_filter(names)
+        self.label = label
+        self.records: list[Record] = []
+        self._index: dict[str, Record] = {}
+
+    def record(self, name: str, op: str, tensor: torch.Tensor, macs: int = 0) -> torch.Tensor:
+        keep = self.keep_values and tensor.device.type != "meta" and self._keep(name)
+        rec = Record(name, op, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), int(macs),
+                     tensor.detach() if keep else None)
+        self.records.append(rec)
+        self._index[name] = rec  # a name recorded twice (never by the model) keeps its latest
+        return tensor
+
+    # --- look-ups ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self.records)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._index
+
+    def get(self, name: str) -> Record:
+        if name not in self._index:
+            close = [n for n in self._index if name.split(".")[-1] in n][:3]
+            hint = f"; similar: {', '.join(close)}" if close else ""
+            raise LlmTraceError(f"no record named {name!r} in this trace{hint}")
+        return self._index[name]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """The recorded tensor: `trace["layers.0.attn.weights"]`."""
+        rec = self.get(name)
+        if rec.tensor is None:
+            why = "this trace keeps shapes only" if not self.keep_values else "its name was filtered out"
+            raise LlmTraceError(f"record {name!r} holds no tensor ({why}): trace with keep_values=True")
+        return rec.tensor
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.get(name).shape
+
+    def find(self, pattern: str) -> list[Record]:
+        """Records whose name matches a glob: `trace.find("layers.*.attn.scores")`."""
+        return [r for r in self.records if fnmatch.fnmatchcase(r.name, pattern)]
+
+    def layer(self, i: int) -> list[Record]:
+        return self.find(f"layers.{i}.*")
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self.records]
+
+    @property
+    def total_macs(self) -> int:
+        return sum(r.macs for r in self.records)
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors this trace holds (a view counts as the size of its own elements)."""
+        return sum(r.tensor.numel() * r.tensor.element_size() for r in self.records if r.tensor is not None)
+
+    # --- views ------------------------------------------------------------------------------
+    def table(self, pattern: str | None = None, layers: int | None = None) -> str:
+        """A plain-text data-flow table (name, op, shape, MACs). `layers=1` shows the first layer
+        in full and folds the rest into one line, as the seed's diagram does."""
+        rows = self.records if pattern is None else self.find(pattern)
+        lines, folded = [], 0
+        for r in rows:
+            if layers is not None and r.name.startswith("layers."):
+                if int(r.name.split(".")[1]) >= layers:
+                    folded += 1
+                    continue
+            lines.append((r.name, r.op, _fmt_shape(r.shape), r.dtype, f"{r.macs:,}" if r.macs else ""))
+            if folded == 0 and layers is not None and r.name == f"layers.{layers - 1}.resid_out":
+                n_layers = len({x.name.split(".")[1] for x in rows if x.name.startswith("layers.")})
+                if n_layers > layers:
+                    lines.append((f"layers.{layers}..{n_layers - 1}", f"same ops, {n_layers - layers} more layers",
+                                  "", "", ""))
+        return _format_rows(("name", "op", "shape", "dtype", "MACs"), lines)
+
+    def compare(self, other: Trace, pattern: str | None = None) -> str:
+        """Two traces side by side by name, e.g. prefill vs a decode step."""
+        mine = self.records if pattern is None else self.find(pattern)
+        theirs = {r.name: r for r in (other.records if pattern is None else other.find(pattern))}
+        lines = []
+        for r in mine:
+            o = theirs.get(r.name)
+            other_shape = _fmt_shape(o.shape) if o else "-"
+            lines.append((r.name, _fmt_shape(r.shape), other_shape, "" if o and o.shape == r.shape else "*"))
+        left, right = self.label or "this", other.label or "other"
+        return _format_rows(("name", left, right, "differs"), lines)
+
+    def to_dicts(self) -> list[dict]:
+        return [r.to_dict() for r in self.records]
+
+    def __repr__(self) -> str:
+        kept = sum(r.tensor is not None for r in self.records)
+        return f"Trace({self.label!r}: {len(self.records)} records, {kept} with values, {self.total_macs:,} MACs)"
+
+
+class _NoTrace:
+    """Tracing off: `record` hands the tensor straight back."""
+
+    enabled = False
+    keep_values = False
+
+    def record(self, name, op, tensor, macs=0):
+        return tensor
+
+
+NO_TRACE = _NoTrace()
+
+
+def _fmt_shape(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def _format_rows(header, rows) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [fmt.format(*header).rstrip(), fmt.format(*("-" * w for w in widths)).rstrip()]
+    out += [fmt.format(*row).rstrip() for row in rows]
+    return "\n".join(out)

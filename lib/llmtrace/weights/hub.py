@@ -1,0 +1,42 @@
+"""TinyLlama's weights: found locally, or fetched once by an explicit command when online."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import LlmTraceError
+
+REPOS = ("TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T", "TinyLlama/TinyLlama-1.1B-Chat-v1.0")
+FETCH_COMMAND = "make tinyllama"
+
+
+def _hf_cache_dirs() -> list[Path]:
+    """Snapshot directories of TinyLlama in the local Hugging Face cache, newest first."""
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    hub = Path(os.environ.get("HF_HUB_CACHE", home / "hub"))
+    found = []
+    for repo in REPOS:
+        snapshots = hub / f"models--{repo.replace('/', '--')}" / "snapshots"
+        if snapshots.is_dir():
+            found += sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+    return found
+
+
+def _complete(d: Path) -> bool:
+    return (d / "config.json").is_file() and any(
+        (d / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def find_tinyllama(required: bool = True) -> Path | None:
+    """$LLMTRACE_TINYLLAMA (a directory), else the HF cache. Never touches the network."""
+    explicit = os.environ.get("LLMTRACE_TINYLLAMA")
+    candidates = ([Path(explicit).expanduser()] if explicit else []) + _hf_cache_dirs()
+    for d in candidates:
+        if _complete(d):
+            return d
+    if required:
+        where = f"{explicit} (LLMTRACE_TINYLLAMA) nor " if explicit else ""
+        raise LlmTraceError(f"TinyLlama's weights are not on this machine ({where}in the Hugging Face cache): "
+                            f"run `{FETCH_COMMAND}` once while online, or use --model embedded")
+    return None

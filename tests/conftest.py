@@ -1,0 +1,33 @@
+import pytest
+import torch
+
+from llmtrace import load_model, meta_model
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    return load_model("embedded")
+
+
+@pytest.fixture(scope="session")
+def prompt_trace(embedded):
+    """One traced prefill of the prompt on the embedded model: (logits, trace)."""
+    return embedded.run(PROMPT)
+
+
+@pytest.fixture(scope="session")
+def tiny_meta():
+    return meta_model("tinyllama-1.1b")
+
+
+@pytest.fixture(scope="session")
+def hf_reference(embedded):
+    """HF transformers' LlamaForCausalLM, eager attention, on the same fp32 weights."""
+    transformers = pytest.importorskip("transformers")
+    from llmtrace.models import embedded_checkpoint
+
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        embedded_checkpoint(), attn_implementation="eager", dtype=torch.float32)
+    return model.eval()

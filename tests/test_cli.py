@@ -1,0 +1,49 @@
+"""python -m llmtrace: the table and the text, --json, and one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "llmtrace", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_greedy_paris():
+    r = run("--model", "embedded", "--max-new-tokens", "4", "The capital of France is")
+    assert r.returncode == 0, r.stderr
+    assert "layers.0.attn.scores" in r.stdout and "[1, 9, 5, 5]" in r.stdout
+    assert "The capital of France is Paris." in r.stdout
+    assert "7042  ' Paris'" in r.stdout
+
+
+def test_cli_json():
+    r = run("--model", "embedded", "--max-new-tokens", "3", "--json", "The capital of France is")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["model"] == "smollm2-135m" and out["config"]["n_layers"] == 30
+    assert out["input_ids"] == [504, 3575, 282, 4649, 314]
+    assert out["input_pieces"][1] == " capital"
+    assert out["generated_ids"][0] == 7042 and out["generated_text"].startswith(" Paris")
+    top = out["top10"]
+    assert len(top) == 10 and top[0]["piece"] == " Paris" and 0.75 < top[0]["prob"] < 0.80
+    rec = {r["name"]: r for r in out["trace"]}
+    assert rec["layers.29.attn.weights"]["shape"] == [1, 9, 5, 5]
+    assert rec["lm_head"]["macs"] == 5 * 576 * 49152 and rec["lm_head"]["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "embedded", ""], "error: the prompt is empty"),
+    (["--model", "gpt-5", "hi"], "error: unknown model 'gpt-5'"),
+    (["--temperature", "-1", "hi"], "error: temperature must be >= 0"),
+    (["--top-p", "1.5", "hi"], "error: top_p must be in (0, 1]"),
+    (["--top-k", "0", "hi"], "error: top_k must be at least 1"),
+    (["--model", "embedded", "--max-new-tokens", "9000", "hi"], "exceed smollm2-135m's context of 8192"),
+])
+def test_cli_errors_are_one_line(args, message):
+    r = run(*args)
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
