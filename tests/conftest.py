@@ -1,5 +1,11 @@
+import os
+from pathlib import Path
+
 import pytest
 import torch
+
+# generated files (the fp32 embedded model, TinyLlama's tokenizer.model) live in the project's .cache
+os.environ.setdefault("LLMTRACE_CACHE", str(Path(__file__).resolve().parents[1] / ".cache"))
 
 from llmtrace import load_model, meta_model
 
@@ -31,3 +37,10 @@ def hf_reference(embedded):
     model = transformers.LlamaForCausalLM.from_pretrained(
         embedded_checkpoint(), attn_implementation="eager", dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def llama_tok():
+    from llmtrace.weights.tokenizer_llama import llama_tokenizer
+
+    return llama_tokenizer()

@@ -47,3 +47,18 @@ def test_cli_errors_are_one_line(args, message):
     assert r.returncode == 2
     assert message in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_cli_shapes_only_tinyllama():
+    r = run("--shapes-only", "The capital of France is")
+    assert r.returncode == 0, r.stderr
+    assert "tinyllama-1.1b" in r.stdout and "450:' The'" in r.stdout
+    rows = [line for line in r.stdout.splitlines() if line.startswith("layers.0.attn.scores ")]
+    assert "[1, 32, 6, 6]" in rows[0] and "73,728" in rows[0]  # the table: shape and MACs
+    assert "[1, 32, 6, 6]" in rows[1] and "[1, 32, 1, 7]" in rows[1]  # prefill vs decode 1
+    r = run("--shapes-only", "--json", "The capital of France is")
+    out = json.loads(r.stdout)
+    assert out["input_ids"] == [1, 450, 7483, 310, 3444, 338]
+    shapes = {x["name"]: x["shape"] for x in out["trace"]}
+    assert shapes["layers.21.attn.k_expanded"] == [1, 32, 6, 64] and shapes["lm_head"] == [1, 6, 32000]
+    assert {x["name"]: x["shape"] for x in out["decode_trace"]}["layers.0.attn.kv_cache.k"] == [1, 7, 4, 64]

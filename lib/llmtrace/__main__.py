@@ -9,6 +9,7 @@ import sys
 import torch
 
 from .errors import LlmTraceError
+from .trace import Trace
 
 
 def parse_args(argv):
@@ -24,7 +25,8 @@ def parse_args(argv):
     p.add_argument("--layers", type=int, default=1, help="layers shown in full in the table (default 1)")
     p.add_argument("--all-layers", action="store_true", help="show every layer in the table")
     p.add_argument("--shapes-only", action="store_true",
-                   help="trace TinyLlama-1.1B's shapes on the meta device: no weights needed")
+                   help="trace TinyLlama-1.1B's shapes on the meta device, no weights needed "
+                        "(--model may name another preset: llama-2-7b, llama-2-70b, smollm2-135m)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return p.parse_args(argv)
 
@@ -37,7 +39,11 @@ def check_args(args) -> None:
     if args.max_new_tokens < 1:
         raise LlmTraceError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     check_sampling(args.temperature, args.top_k, args.top_p)
-    if args.model is not None:
+    if args.model is not None and args.shapes_only:
+        from .config import Config
+
+        Config.from_name("tinyllama-1.1b" if args.model in ("auto", "tinyllama") else args.model)
+    elif args.model is not None:
         from .models import CHOICES
         from pathlib import Path
 
@@ -56,17 +62,29 @@ def top_candidates(tokenizer, logits: torch.Tensor, n: int = 10) -> list[dict]:
 
 
 def run_shapes_only(args) -> dict:
+    """Shapes of a config with no weights: TinyLlama-1.1B unless --model names another preset."""
+    from .config import Config
     from .model import meta_model
     from .tokenize import display_piece
-    from .weights.tokenizer_llama import llama_tokenizer
 
-    tok = llama_tokenizer()
-    model = meta_model("tinyllama-1.1b", tok)
+    config = Config.from_name("tinyllama-1.1b" if args.model in (None, "auto", "tinyllama") else args.model)
+    if config.vocab_size == 32000:  # TinyLlama and the Llama-2 presets share Llama-2's tokenizer
+        from .weights.tokenizer_llama import llama_tokenizer
+
+        tok = llama_tokenizer()
+    else:
+        from .models import load_model
+
+        tok = load_model("embedded").tokenizer
+    model = meta_model(config, tok)
     ids = model.encode(args.prompt)
-    _, trace = model.run(ids, keep_values=False)
-    return {"model": model.name, "source": model.source, "config": model.config.to_dict(),
+    cache = model.new_cache(ids.shape[1] + 1)
+    prefill, decode = Trace(keep_values=False, label="prefill"), Trace(keep_values=False, label="decode 1")
+    model.forward(ids, prefill, cache)
+    model.forward(torch.zeros(1, 1, dtype=torch.long), decode, cache, start=cache.length)
+    return {"model": model.name, "source": model.source, "config": config.to_dict(),
             "input_ids": ids[0].tolist(), "input_pieces": [display_piece(tok, i) for i in ids[0].tolist()],
-            "trace": trace, "generation": None}
+            "trace": prefill, "decode_trace": decode, "generation": None}
 
 
 def run_live(args) -> dict:
@@ -93,9 +111,11 @@ def main(argv=None) -> int:
     except LlmTraceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    trace, g = out.pop("trace"), out.pop("generation")
+    trace, g, decode = out.pop("trace"), out.pop("generation"), out.pop("decode_trace", None)
     if args.json:
         out["trace"] = trace.to_dicts()
+        if decode is not None:
+            out["decode_trace"] = decode.to_dicts()
         if g is not None:
             out.update(generated_ids=g.new_ids, generated_text=g.text, stop_reason=g.stop_reason)
         print(json.dumps(out, ensure_ascii=False))
@@ -107,6 +127,9 @@ def main(argv=None) -> int:
     print()
     print(trace.table(layers=None if args.all_layers else args.layers))
     print(f"\ntotal multiply-adds: {trace.total_macs:,}")
+    if decode is not None:
+        print("\nprefill vs the first decode step (layer 0; the cache already holds the prompt):")
+        print(trace.compare(decode, "layers.0.*"))
     if g is not None:
         print("\ntop candidates for the first new token:")
         for row in out["top10"]:

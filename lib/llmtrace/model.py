@@ -184,3 +184,17 @@ def meta_model(config: Config | str, tokenizer=None) -> Model:
     c = Config.from_name(config) if isinstance(config, str) else config
     sd = {name: torch.empty(shape, device="meta") for name, shape in expected_shapes(c).items()}
     return Model(c, weights_from_state_dict(c, sd, "meta"), tokenizer, source="meta device (shapes only)")
+
+
+def trace_shapes(config: Config | str, prompt_len: int = 6, decode_steps: int = 1, batch: int = 1) -> list[Trace]:
+    """The exact shape walk of any config, on the meta device: the prefill of a `prompt_len`-token
+    prompt, then `decode_steps` one-token steps reading the KV cache. No weights, no memory.
+    Token ids do not change a shape, so zeros stand in for them."""
+    model = meta_model(config)
+    cache = model.new_cache(prompt_len + decode_steps, batch)
+    traces = [Trace(keep_values=False, label="prefill")]
+    model.forward(torch.zeros(batch, prompt_len, dtype=torch.long), traces[0], cache, start=0)
+    for step in range(1, decode_steps + 1):
+        traces.append(Trace(keep_values=False, label=f"decode {step}"))
+        model.forward(torch.zeros(batch, 1, dtype=torch.long), traces[-1], cache, start=cache.length)
+    return traces

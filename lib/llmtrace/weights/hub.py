@@ -40,3 +40,35 @@ def find_tinyllama(required: bool = True) -> Path | None:
         raise LlmTraceError(f"TinyLlama's weights are not on this machine ({where}in the Hugging Face cache): "
                             f"run `{FETCH_COMMAND}` once while online, or use --model embedded")
     return None
+
+
+def download(repo: str = REPOS[0], timeout: float = 20.0) -> Path:
+    """Fetch TinyLlama's safetensors, config and tokenizer into the HF cache, with a progress bar.
+    Fails in one line, quickly, when the hub cannot be reached."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise LlmTraceError("huggingface_hub is not installed: run `make setup`") from None
+    try:
+        path = snapshot_download(repo, allow_patterns=["config.json", "*.safetensors", "model.safetensors.index.json",
+                                                       "tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                                                       "generation_config.json"], etag_timeout=timeout)
+    except Exception as e:  # the hub client raises many kinds; all mean "not fetched"
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise LlmTraceError(f"could not download {repo} ({type(e).__name__}: {first[:160]}): "
+                            f"this needs a connection to the Hugging Face hub") from None
+    path = Path(path)
+    if not _complete(path):
+        raise LlmTraceError(f"{repo} at {path} has no safetensors weights: try the other repo, {REPOS[1]}")
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    try:
+        where = download(sys.argv[1] if len(sys.argv) > 1 else REPOS[0])
+    except LlmTraceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"TinyLlama is in {where}: `--model tinyllama` (or auto) now runs it")

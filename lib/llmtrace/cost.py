@@ -1,0 +1,119 @@
+"""What the model costs: parameters (from the config), multiply-adds (from a trace), bytes read.
+
+A multiply-add (MAC) is one `a * b + c`. Every matmul records its MACs in the trace, including
+QK^T and the weighted sum, which counters working at module boundaries (torchinfo) miss because
+they are not `nn.Linear` layers. Element-wise ops (norms, RoPE, SiLU, softmax) are recorded with
+0 MACs: their cost is reading memory, not arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .config import Config
+from .model import expected_shapes
+
+# HF weight name (layer part removed) -> component name used in the book
+_COMPONENTS = {
+    "model.embed_tokens.weight": "embedding",
+    "input_layernorm.weight": "attn_norm",
+    "self_attn.q_proj.weight": "q_proj",
+    "self_attn.k_proj.weight": "k_proj",
+    "self_attn.v_proj.weight": "v_proj",
+    "self_attn.o_proj.weight": "o_proj",
+    "post_attention_layernorm.weight": "mlp_norm",
+    "mlp.gate_proj.weight": "gate",
+    "mlp.up_proj.weight": "up",
+    "mlp.down_proj.weight": "down",
+    "model.norm.weight": "final_norm",
+    "lm_head.weight": "lm_head",
+}
+
+
+@dataclass
+class ParamRow:
+    component: str
+    shape: tuple[int, ...]
+    each: int  # parameters in one copy
+    copies: int  # 1, or the number of layers
+    per_layer: bool
+
+    @property
+    def total(self) -> int:
+        return self.each * self.copies
+
+
+def parameter_table(c: Config) -> list[ParamRow]:
+    """One row per component, in model order; a tied LM head has no row of its own."""
+    rows: dict[str, ParamRow] = {}
+    for name, shape in expected_shapes(c).items():
+        per_layer = name.startswith("model.layers.")
+        key = _COMPONENTS[name.split(".", 3)[3] if per_layer else name]
+        n = 1
+        for s in shape:
+            n *= s
+        if key in rows:
+            rows[key].copies += 1
+        else:
+            rows[key] = ParamRow(key, shape, n, 1, per_layer)
+    order = ["embedding", "attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "mlp_norm", "gate", "up", "down",
+             "final_norm", "lm_head"]
+    return [rows[k] for k in order if k in rows]
+
+
+def parameter_count(c: Config) -> int:
+    return sum(r.total for r in parameter_table(c))
+
+
+def parameter_shares(c: Config) -> dict[str, float]:
+    """Fractions of the total: the per-layer matrices, the norms, the embedding and LM head tables."""
+    rows = parameter_table(c)
+    total = sum(r.total for r in rows)
+    matrices = sum(r.total for r in rows if r.per_layer and len(r.shape) == 2)
+    norms = sum(r.total for r in rows if len(r.shape) == 1)
+    tables = sum(r.total for r in rows if r.component in ("embedding", "lm_head"))
+    return {"per_layer_matrices": matrices / total, "norms": norms / total, "embedding_and_head": tables / total}
+
+
+def macs_by_op(trace, per_layer: bool = False) -> dict[str, int]:
+    """MACs summed by operation name with the layer index removed ("attn.q_proj", "lm_head").
+    per_layer=True divides the layer ops by the number of layers."""
+    totals: dict[str, int] = defaultdict(int)
+    layers, layer_ops = set(), set()
+    for r in trace:
+        if not r.macs:
+            continue
+        if r.name.startswith("layers."):
+            _, i, op = r.name.split(".", 2)
+            layers.add(i)
+            layer_ops.add(op)
+            totals[op] += r.macs
+        else:
+            totals[r.name] += r.macs
+    if per_layer and layers:
+        for op in layer_ops:
+            totals[op] //= len(layers)
+    return dict(totals)
+
+
+def macs_per_layer(trace) -> list[int]:
+    """Total MACs of each layer, in order."""
+    out: dict[int, int] = defaultdict(int)
+    for r in trace:
+        if r.name.startswith("layers."):
+            out[int(r.name.split(".")[1])] += r.macs
+    return [out[i] for i in sorted(out)]
+
+
+def weight_macs_per_token_per_layer(c: Config) -> int:
+    """The projections' MACs for one token in one layer: every weight of the layer used once.
+    Attention's own QK^T and weighted sum add 2 * n_heads * head_dim per position attended."""
+    D, hd = c.hidden_size, c.head_dim
+    return D * c.n_heads * hd + 2 * D * c.n_kv_heads * hd + c.n_heads * hd * D + 3 * D * c.ffn_size
+
+
+def weight_bytes(c: Config, bytes_per_param: int = 4) -> int:
+    """Bytes of weights a forward pass reads (a tied head reads the embedding table again)."""
+    head = c.vocab_size * c.hidden_size if c.tied_lm_head else 0
+    return (parameter_count(c) + head) * bytes_per_param

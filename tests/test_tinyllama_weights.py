@@ -1,0 +1,68 @@
+"""Finding TinyLlama's weights: a directory, the local HF cache, or a clear one-line refusal."""
+
+import time
+
+import pytest
+import torch
+
+from llmtrace import LlmTraceError, load_model
+from llmtrace.models import embedded_checkpoint
+from llmtrace.weights.hub import download, find_tinyllama
+
+
+@pytest.fixture
+def no_tinyllama(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("LLMTRACE_TINYLLAMA", raising=False)
+    monkeypatch.delenv("LLMTRACE_MODEL", raising=False)
+    return tmp_path / "hf"
+
+
+@pytest.fixture
+def cached_tinyllama(no_tinyllama):
+    """An HF cache laid out as huggingface_hub writes it, holding a checkpoint in TinyLlama's
+    format (the embedded weights stand in: TinyLlama's cannot be downloaded here)."""
+    snap = no_tinyllama / "hub" / "models--TinyLlama--TinyLlama-1.1B-Chat-v1.0" / "snapshots" / "fe8a4ea1"
+    snap.mkdir(parents=True)
+    for f in embedded_checkpoint().iterdir():
+        (snap / f.name).symlink_to(f)
+    return snap
+
+
+def test_found_in_the_hf_cache(cached_tinyllama, embedded):
+    assert find_tinyllama() == cached_tinyllama
+    model = load_model("tinyllama")
+    assert model.source == str(cached_tinyllama) and model.name == "tinyllama-1.1b"
+    assert load_model("auto").source == str(cached_tinyllama)
+    ids = embedded.encode("The capital of France is")
+    assert torch.equal(model.run(ids, keep_values=False)[0], embedded.run(ids, keep_values=False)[0])
+
+
+def test_found_by_path(no_tinyllama, monkeypatch, embedded):
+    monkeypatch.setenv("LLMTRACE_TINYLLAMA", str(embedded_checkpoint()))
+    assert find_tinyllama() == embedded_checkpoint()
+
+
+def test_absent_says_so_at_once(no_tinyllama):
+    start = time.perf_counter()
+    with pytest.raises(LlmTraceError, match=r"TinyLlama's weights are not on this machine .* run `make tinyllama`"):
+        load_model("tinyllama")
+    assert time.perf_counter() - start < 1.0
+    assert find_tinyllama(required=False) is None
+
+
+def test_auto_falls_back_to_the_embedded_model(no_tinyllama, monkeypatch, embedded):
+    assert load_model("auto") is embedded
+    monkeypatch.setenv("LLMTRACE_MODEL", "embedded")
+    assert load_model() is embedded
+    monkeypatch.setenv("LLMTRACE_MODEL", "tinyllama")
+    with pytest.raises(LlmTraceError, match="make tinyllama"):
+        load_model()
+
+
+def test_download_without_a_hub_fails_in_one_line(no_tinyllama, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a closed local port: no hub here
+    with pytest.raises(LlmTraceError, match="could not download TinyLlama/") as err:
+        download(timeout=5)
+    assert "\n" not in str(err.value)
