@@ -1,13 +1,15 @@
-# make test: install everything into .venv from nothing, then run the tests.
-# Generated files (the embedded model in fp32, TinyLlama's tokenizer.model) go to .cache/.
+# make book: build the HTML book from nothing (notebooks executed at build time, strict).
+# make test: install everything from nothing, build the book, run the tests, nbval, the browser check.
+# Generated files (the embedded model in fp32, TinyLlama's tokenizer.model, npm packages) go to .cache/.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export LLMTRACE_CACHE ?= $(CURDIR)/.cache
+MATHJAX := book/_static/mathjax/tex-chtml.js
 
-.PHONY: setup test tinyllama clean
+.PHONY: setup book test browser tinyllama clean
 
 $(VENV)/.installed: requirements.txt requirements-test.txt lib/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,12 +24,27 @@ $(LLMTRACE_CACHE)/tinyllama/tokenizer.model: $(VENV)/.installed
 
 setup: $(VENV)/.installed $(LLMTRACE_CACHE)/tinyllama/tokenizer.model
 
+# MathJax 3 served from the book itself, so formulas render with no network
+$(MATHJAX):
+	mkdir -p $(LLMTRACE_CACHE)/npm
+	cd $(LLMTRACE_CACHE)/npm && npm install --silent --no-audit --no-fund mathjax@3.2.2
+	rm -rf book/_static/mathjax
+	mkdir -p book/_static
+	cp -r $(LLMTRACE_CACHE)/npm/node_modules/mathjax/es5 book/_static/mathjax
+
+book: setup $(MATHJAX)
+	$(VENV)/bin/jupyter-book build . -W -n --keep-going
+
+# Debian's Chromium, for the check of the rendered pages
+browser:
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+
+test: book browser
+	LLMTRACE_MODEL=embedded $(PY) -m pytest tests notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg
+
 # TinyLlama's weights into the Hugging Face cache (needs the hub; not used by the tests)
 tinyllama: setup
 	$(PY) -m llmtrace.weights.hub
 
-test: setup
-	$(PY) -m pytest
-
 clean:
-	rm -rf $(VENV) .cache _build
+	rm -rf $(VENV) .cache _build book/_static/mathjax

@@ -1,11 +1,5 @@
-import os
-from pathlib import Path
-
 import pytest
 import torch
-
-# generated files (the fp32 embedded model, TinyLlama's tokenizer.model) live in the project's .cache
-os.environ.setdefault("LLMTRACE_CACHE", str(Path(__file__).resolve().parents[1] / ".cache"))
 
 from llmtrace import load_model, meta_model
 

@@ -31,6 +31,23 @@ def causal_mask(T: int, S: int, start: int, device=None) -> torch.Tensor:
     return torch.zeros(T, S, device=device).masked_fill(blocked, float("-inf"))
 
 
+def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0):
+    """Scaled dot-product attention, step by step. q [..., T, d], k and v [..., S, d], mask [T, S].
+    Each query row scores every key, the mask removes the future, softmax turns scores into
+    weights that sum to 1, and the output is the weighted sum of the values."""
+    T, S, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    lead = math.prod(q.shape[:-2])  # batch x heads
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d)  # [B, H, T, S]  [1, 32, 6, 6]
+    trace.record(f"{name}.scores", f"q @ k^T / sqrt({d})", scores, lead * T * S * d)
+    if mask is not None:
+        trace.record(f"{name}.causal_mask", f"0 where key <= query position, -inf after ({start} cached)",
+                     mask)  # [T, S]  [6, 6]
+        scores = trace.record(f"{name}.masked_scores", "scores + causal_mask", scores + mask)  # [B, H, T, S]
+    weights = trace.record(f"{name}.weights", "softmax over keys (rows sum to 1)",
+                           F.softmax(scores, dim=-1))  # [B, H, T, S]  [1, 32, 6, 6]
+    return trace.record(f"{name}.weighted_sum", "weights @ v", weights @ v, lead * T * S * d)  # [B, H, T, d]
+
+
 def attention(x, w, config, cos, sin, mask, cache, layer, start, trace=NO_TRACE, name="attn"):
     """x [B, T, D] -> [B, T, D]. cos, sin: RoPE tables [T, head_dim]; mask: `causal_mask` [T, S]."""
     B, T, D = x.shape
@@ -65,13 +82,7 @@ def attention(x, w, config, cos, sin, mask, cache, layer, start, trace=NO_TRACE,
     v_exp = trace.record(f"{name}.v_expanded", f"GQA: {KV} -> {H} heads",
                          repeat_kv(v_all.transpose(1, 2), config.n_rep))  # [B, H, S, hd]  [1, 32, 6, 64]
 
-    scores = q @ k_exp.transpose(-2, -1) / math.sqrt(hd)  # [B, H, T, S]  [1, 32, 6, 6]
-    trace.record(f"{name}.scores", f"q @ k^T / sqrt({hd})", scores, B * H * T * S * hd)
-    trace.record(f"{name}.causal_mask", f"0 where key <= query position, -inf after ({start} cached)", mask)  # [T, S]  [6, 6]
-    scores = trace.record(f"{name}.masked_scores", "scores + causal_mask", scores + mask)  # [B, H, T, S]
-    weights = trace.record(f"{name}.weights", "softmax over keys (rows sum to 1)",
-                           F.softmax(scores, dim=-1))  # [B, H, T, S]  [1, 32, 6, 6]
-    out = trace.record(f"{name}.weighted_sum", "weights @ v", weights @ v_exp, B * H * T * S * hd)  # [B, H, T, hd]  [1, 32, 6, 64]
+    out = attend(q, k_exp, v_exp, mask, trace, name, start)  # [B, H, T, hd]  [1, 32, 6, 64]
 
     out = out.transpose(1, 2).reshape(B, T, H * hd)  # [B, T, H*hd]  [1, 6, 2048]
     trace.record(f"{name}.merged", "heads back side by side", out)

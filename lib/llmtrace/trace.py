@@ -131,17 +131,19 @@ class Trace:
                                   "", "", ""))
         return _format_rows(("name", "op", "shape", "dtype", "MACs"), lines)
 
-    def compare(self, other: Trace, pattern: str | None = None) -> str:
-        """Two traces side by side by name, e.g. prefill vs a decode step."""
+    def compare(self, other: Trace, pattern: str | None = None, mark: bool = True) -> str:
+        """Two traces side by side by name, e.g. prefill vs a decode step, or TinyLlama's shapes
+        beside the model that ran. mark=False drops the column that flags differing shapes."""
         mine = self.records if pattern is None else self.find(pattern)
         theirs = {r.name: r for r in (other.records if pattern is None else other.find(pattern))}
         lines = []
         for r in mine:
             o = theirs.get(r.name)
             other_shape = _fmt_shape(o.shape) if o else "-"
-            lines.append((r.name, _fmt_shape(r.shape), other_shape, "" if o and o.shape == r.shape else "*"))
+            row = (r.name, _fmt_shape(r.shape), other_shape, "" if o and o.shape == r.shape else "*")
+            lines.append(row if mark else row[:3])
         left, right = self.label or "this", other.label or "other"
-        return _format_rows(("name", left, right, "differs"), lines)
+        return _format_rows(("name", left, right, "differs")[: 4 if mark else 3], lines)
 
     def to_dicts(self) -> list[dict]:
         return [r.to_dict() for r in self.records]

@@ -1,0 +1,61 @@
+"""The built book, as a reader's browser shows it: headless Chromium renders the pages."""
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+HTML = Path(__file__).resolve().parents[1] / "_build" / "html"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--virtual-time-budget=15000"]
+
+
+def chromium(*args) -> str:
+    exe = shutil.which("chromium")
+    assert exe, "Chromium is not installed: run `make browser` (Debian's chromium package)"
+    with tempfile.TemporaryDirectory() as profile:
+        r = subprocess.run([exe, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True,
+                           timeout=180)
+    assert r.returncode == 0, r.stderr[-500:]
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def built():
+    assert (HTML / "notebooks" / "01_model.html").is_file(), f"no built book in {HTML}: run `make book`"
+    return HTML
+
+
+@pytest.fixture(scope="module")
+def attention_dom(built):
+    return chromium("--dump-dom", (built / "notebooks" / "06_attention.html").as_uri())
+
+
+def test_index_redirects_to_the_intro(built):
+    dom = chromium("--dump-dom", (built / "index.html").as_uri())
+    assert "The capital of France is" in dom and "TinyLlama-1.1B" in dom
+
+
+def test_chapter_renders_title_table_and_figure(attention_dom):
+    dom = attention_dom
+    assert "<title>6. Attention" in dom
+    assert "Values on this page" in dom  # the banner
+    assert "layers.0.attn.scores" in dom and "[1, 32, 6, 6]" in dom  # TinyLlama's shape table
+    assert '<img alt="_images/' in dom or 'src="../_images/' in dom  # a figure from the trace
+    assert "Traceback" not in dom and "output stderr" not in dom and "Error" not in dom
+
+
+def test_formulas_are_typeset_offline(built):
+    dom = chromium("--dump-dom", (built / "notebooks" / "05_rmsnorm.html").as_uri())
+    assert "_static/mathjax/tex-chtml.js" in dom  # the local copy, not a CDN
+    assert "<mjx-container" in dom  # MathJax ran and typeset the formula
+    assert "\\frac{x}" not in dom.split("<mjx-container", 1)[1]  # no raw TeX left in the page
+
+
+def test_screenshot_artifact(built):
+    shot = built.parent / "screenshot-attention.png"
+    chromium(f"--screenshot={shot}", "--window-size=1280,2400", (built / "notebooks" / "06_attention.html").as_uri())
+    assert shot.is_file() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
