@@ -113,7 +113,12 @@ def weight_macs_per_token_per_layer(c: Config) -> int:
     return D * c.n_heads * hd + 2 * D * c.n_kv_heads * hd + c.n_heads * hd * D + 3 * D * c.ffn_size
 
 
-def weight_bytes(c: Config, bytes_per_param: int = 4) -> int:
-    """Bytes of weights a forward pass reads (a tied head reads the embedding table again)."""
-    head = c.vocab_size * c.hidden_size if c.tied_lm_head else 0
-    return (parameter_count(c) + head) * bytes_per_param
+def decode_bytes(c: Config, context: int, batch: int = 1, bytes_per_value: int = 4) -> dict[str, int]:
+    """Bytes one decode step must read from memory: every weight matrix once (the embedding lookup
+    reads one row; the LM head reads its whole table, which is the embedding table when tied), and
+    K and V of every cached position in every layer."""
+    table = c.vocab_size * c.hidden_size
+    weights = parameter_count(c) - (0 if c.tied_lm_head else table) + c.hidden_size  # + the row looked up
+    kv = 2 * c.n_layers * batch * context * c.n_kv_heads * c.head_dim
+    return {"weights": weights * bytes_per_value, "kv_cache": kv * bytes_per_value,
+            "total": (weights + kv) * bytes_per_value}
