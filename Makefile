@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 export LLMTRACE_CACHE ?= $(CURDIR)/.cache
 MATHJAX := book/_static/mathjax/tex-chtml.js
 
-.PHONY: setup book test browser tinyllama clean
+.PHONY: setup book test browser bench tinyllama clean
 
 $(VENV)/.installed: requirements.txt requirements-test.txt lib/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,3 +48,7 @@ tinyllama: setup
 
 clean:
 	rm -rf $(VENV) .cache _build book/_static/mathjax
+
+# speed and memory, measured: prints ratios with their targets, writes _build/bench/bench.json
+bench: setup
+	$(PY) bench/bench.py

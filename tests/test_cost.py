@@ -36,7 +36,7 @@ def _named(model):
 def test_seven_b_macs_per_token_per_layer():
     c = Config.from_name("llama-2-7b")
     assert weight_macs_per_token_per_layer(c) == 202_375_168  # the seed's "about 202 million"
-    _, decode = trace_shapes(c, prompt_len=5, decode_steps=1)
+    _, decode = trace_shapes(c, prompt=5, decode_steps=1)
     per_layer = macs_by_op(decode, per_layer=True)
     projections = sum(v for k, v in per_layer.items() if k not in ("attn.scores", "attn.weighted_sum", "lm_head"))
     assert projections == 202_375_168

@@ -9,7 +9,7 @@ from llmtrace.model import trace_shapes
 
 @pytest.fixture(scope="module")
 def walk():
-    return trace_shapes("tinyllama-1.1b", prompt_len=6, decode_steps=1)
+    return trace_shapes("tinyllama-1.1b", prompt=6, decode_steps=1)
 
 
 def test_prefill_walk_is_the_seeds(walk):
@@ -45,7 +45,7 @@ def test_first_decode_step_reads_seven_positions(walk):
 def test_meta_and_real_walks_agree(embedded, prompt_trace):
     """The same forward pass on meta and on real weights records the same names and shapes."""
     _, real = prompt_trace
-    (meta,) = trace_shapes(embedded.config, prompt_len=5, decode_steps=0)
+    (meta,) = trace_shapes(embedded.config, prompt=5, decode_steps=0)
     assert [(r.name, r.shape, r.macs) for r in meta] == [(r.name, r.shape, r.macs) for r in real]
 
 

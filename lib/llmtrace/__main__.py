@@ -9,7 +9,6 @@ import sys
 import torch
 
 from .errors import LlmTraceError
-from .trace import Trace
 
 
 def parse_args(argv):
@@ -64,7 +63,7 @@ def top_candidates(tokenizer, logits: torch.Tensor, n: int = 10) -> list[dict]:
 def run_shapes_only(args) -> dict:
     """Shapes of a config with no weights: TinyLlama-1.1B unless --model names another preset."""
     from .config import Config
-    from .model import meta_model
+    from .model import trace_shapes
     from .tokenize import display_piece
 
     config = Config.from_name("tinyllama-1.1b" if args.model in (None, "auto", "tinyllama") else args.model)
@@ -76,13 +75,9 @@ def run_shapes_only(args) -> dict:
         from .models import load_model
 
         tok = load_model("embedded").tokenizer
-    model = meta_model(config, tok)
-    ids = model.encode(args.prompt)
-    cache = model.new_cache(ids.shape[1] + 1)
-    prefill, decode = Trace(keep_values=False, label="prefill"), Trace(keep_values=False, label="decode 1")
-    model.forward(ids, prefill, cache)
-    model.forward(torch.zeros(1, 1, dtype=torch.long), decode, cache, start=cache.length)
-    return {"model": model.name, "source": model.source, "config": config.to_dict(),
+    ids = torch.tensor([tok.encode(args.prompt)])  # [1, T]
+    prefill, decode = trace_shapes(config, ids, decode_steps=1)
+    return {"model": config.name, "source": "meta device (shapes only)", "config": config.to_dict(),
             "input_ids": ids[0].tolist(), "input_pieces": [display_piece(tok, i) for i in ids[0].tolist()],
             "trace": prefill, "decode_trace": decode, "generation": None}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 
-from .model import Model, meta_model
+from .model import Model, trace_shapes
 from .models import load_model, resolve
 from .trace import Trace
 
@@ -19,12 +19,8 @@ def tinyllama_walk(prompt: str = PROMPT) -> tuple[Trace, Trace]:
 
     from .weights.tokenizer_llama import llama_tokenizer
 
-    model = meta_model("tinyllama-1.1b", llama_tokenizer())
-    ids = model.encode(prompt)
-    cache = model.new_cache(ids.shape[1] + 1)
-    prefill, decode = Trace(keep_values=False, label="TinyLlama-1.1B"), Trace(keep_values=False, label="decode 1")
-    model.forward(ids, prefill, cache)
-    model.forward(torch.zeros(1, 1, dtype=torch.long), decode, cache, start=cache.length)
+    ids = torch.tensor([llama_tokenizer().encode(prompt)])  # [1, 6]: BOS + 5
+    prefill, decode = trace_shapes("tinyllama-1.1b", ids, decode_steps=1, label="TinyLlama-1.1B")
     return prefill, decode
 
 

@@ -186,15 +186,18 @@ def meta_model(config: Config | str, tokenizer=None) -> Model:
     return Model(c, weights_from_state_dict(c, sd, "meta"), tokenizer, source="meta device (shapes only)")
 
 
-def trace_shapes(config: Config | str, prompt_len: int = 6, decode_steps: int = 1, batch: int = 1) -> list[Trace]:
-    """The exact shape walk of any config, on the meta device: the prefill of a `prompt_len`-token
-    prompt, then `decode_steps` one-token steps reading the KV cache. No weights, no memory.
-    Token ids do not change a shape, so zeros stand in for them."""
+def trace_shapes(config: Config | str, prompt: int | torch.Tensor = 6, decode_steps: int = 1,
+                 label: str = "prefill") -> list[Trace]:
+    """The exact shape walk of any config, on the meta device: the prefill of a prompt (token ids
+    [B, T], or just its length), then `decode_steps` one-token steps reading the KV cache. No
+    weights, no memory. Token ids do not change a shape, so zeros stand in for unknown ones."""
     model = meta_model(config)
-    cache = model.new_cache(prompt_len + decode_steps, batch)
-    traces = [Trace(keep_values=False, label="prefill")]
-    model.forward(torch.zeros(batch, prompt_len, dtype=torch.long), traces[0], cache, start=0)
+    ids = prompt if isinstance(prompt, torch.Tensor) else torch.zeros(1, prompt, dtype=torch.long)
+    B, T = ids.shape
+    cache = model.new_cache(T + decode_steps, B)
+    traces = [Trace(keep_values=False, label=label)]
+    model.forward(ids, traces[0], cache, start=0)
     for step in range(1, decode_steps + 1):
         traces.append(Trace(keep_values=False, label=f"decode {step}"))
-        model.forward(torch.zeros(batch, 1, dtype=torch.long), traces[-1], cache, start=cache.length)
+        model.forward(torch.zeros(B, 1, dtype=torch.long), traces[-1], cache, start=cache.length)
     return traces
