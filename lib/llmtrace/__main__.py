@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 import torch
@@ -99,6 +100,8 @@ def run_live(args) -> dict:
 
 
 def main(argv=None) -> int:
+    if hasattr(signal, "SIGPIPE"):  # `python -m llmtrace ... | head` ends quietly, as other CLIs do
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         check_args(args)  # before loading anything: bad flags fail at once
