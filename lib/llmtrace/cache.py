@@ -1,5 +1,6 @@
 """Files the library generates once and reuses: the embedded model converted to fp32 safetensors,
-TinyLlama's tokenizer.model. They live in $LLMTRACE_CACHE (default ~/.cache/llmtrace); each is
+TinyLlama's tokenizer.model. They live in $LLMTRACE_CACHE; without it, in the project's .cache/
+when the library runs from the book's checkout (where `make` puts them), else ~/.cache/llmtrace. Each is
 written to a temporary name and renamed into place, so an interrupted run leaves nothing half-written."""
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    d = Path(os.environ.get("LLMTRACE_CACHE") or Path.home() / ".cache" / "llmtrace").expanduser()
+    checkout = Path(__file__).resolve().parents[2]  # lib/llmtrace/cache.py -> the project root
+    default = checkout / ".cache" if (checkout / "_toc.yml").is_file() else Path.home() / ".cache" / "llmtrace"
+    d = Path(os.environ.get("LLMTRACE_CACHE") or default).expanduser()
     d.mkdir(parents=True, exist_ok=True)
     return d
 
