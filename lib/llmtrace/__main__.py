@@ -39,17 +39,19 @@ def check_args(args) -> None:
     if args.max_new_tokens < 1:
         raise LlmTraceError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     check_sampling(args.temperature, args.top_k, args.top_p)
-    if args.model is not None and args.shapes_only:
-        from .config import Config
-
-        Config.from_name("tinyllama-1.1b" if args.model in ("auto", "tinyllama") else args.model)
+    if args.shapes_only:
+        shapes_config(args.model)
     elif args.model is not None:
-        from .models import CHOICES
-        from pathlib import Path
+        from .models import check_name
 
-        if args.model not in CHOICES and not Path(args.model).expanduser().exists():
-            raise LlmTraceError(f"unknown model {args.model!r}: use one of {', '.join(CHOICES)}, "
-                                f"a Hugging Face model directory or a .gguf file")
+        check_name(args.model)
+
+
+def shapes_config(model: str | None):
+    """--shapes-only traces a preset: TinyLlama-1.1B unless --model names another one."""
+    from .config import Config
+
+    return Config.from_name("tinyllama-1.1b" if model in (None, "auto", "tinyllama") else model)
 
 
 def top_candidates(tokenizer, logits: torch.Tensor, n: int = 10) -> list[dict]:
@@ -63,11 +65,10 @@ def top_candidates(tokenizer, logits: torch.Tensor, n: int = 10) -> list[dict]:
 
 def run_shapes_only(args) -> dict:
     """Shapes of a config with no weights: TinyLlama-1.1B unless --model names another preset."""
-    from .config import Config
     from .model import trace_shapes
     from .tokenize import display_piece
 
-    config = Config.from_name("tinyllama-1.1b" if args.model in (None, "auto", "tinyllama") else args.model)
+    config = shapes_config(args.model)
     if config.vocab_size == 32000:  # TinyLlama and the Llama-2 presets share Llama-2's tokenizer
         from .weights.tokenizer_llama import llama_tokenizer
 

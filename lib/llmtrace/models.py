@@ -64,6 +64,13 @@ def resolve(name: str | None = None) -> str:
     return (name or os.environ.get("LLMTRACE_MODEL") or "auto").strip()
 
 
+def check_name(choice: str) -> None:
+    """A model name must be one of CHOICES or an existing path; say so before anything loads."""
+    if choice not in CHOICES and not Path(choice).expanduser().exists():
+        raise LlmTraceError(f"unknown model {choice!r}: use one of {', '.join(CHOICES)}, "
+                            f"a Hugging Face model directory or a .gguf file")
+
+
 def load_model(name: str | None = None) -> Model:
     choice = resolve(name)
     if choice == "embedded":
@@ -75,8 +82,5 @@ def load_model(name: str | None = None) -> Model:
         if directory is not None:
             return _load_path(directory, name="tinyllama-1.1b")
         return _load_embedded()
-    path = Path(choice).expanduser()
-    if path.exists():
-        return _load_path(path)
-    raise LlmTraceError(f"unknown model {choice!r}: use one of {', '.join(CHOICES)}, "
-                        f"a Hugging Face model directory or a .gguf file")
+    check_name(choice)
+    return _load_path(Path(choice).expanduser())
