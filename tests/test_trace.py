@@ -108,3 +108,13 @@ def test_trace_find_glob():
     t.record("layers.1.mlp.up", "x", torch.zeros(4))
     assert [r.shape for r in t.find("layers.*.attn.scores")] == [(2,), (3,)]
     assert "layers.1.mlp.up" in t and len(t.layer(1)) == 2
+
+
+def test_logit_lens_last_layer_is_the_output(embedded, prompt_trace):
+    from llmtrace.lens import logit_lens
+
+    logits, trace = prompt_trace
+    probs = logit_lens(embedded, trace)
+    assert probs.shape == (embedded.config.n_layers, embedded.config.vocab_size)
+    assert torch.allclose(probs[-1], logits[0, -1].softmax(-1), atol=1e-6)
+    assert probs[-1].argmax().item() == 7042  # " Paris"
