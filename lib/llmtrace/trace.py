@@ -10,15 +10,17 @@ the tensor.
 from __future__ import annotations
 
 import fnmatch
+import functools
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
 from .errors import LlmTraceError
+from .memory import keep_freed_memory
 
 
-@dataclass
+@dataclass(slots=True)
 class Record:
     name: str  # where and what: "layers.3.attn.scores"
     op: str  # how it was computed: "q @ k^T / sqrt(64)"
@@ -56,10 +58,12 @@ class Trace:
         self.label = label
         self.records: list[Record] = []
         self._index: dict[str, Record] = {}
+        if keep_values:
+            keep_freed_memory()  # so the next traced pass reuses this one's memory (see memory.py)
 
     def record(self, name: str, op: str, tensor: torch.Tensor, macs: int = 0) -> torch.Tensor:
         keep = self.keep_values and tensor.device.type != "meta" and self._keep(name)
-        rec = Record(name, op, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), int(macs),
+        rec = Record(name, op, tuple(tensor.shape), _dtype_name(tensor.dtype), int(macs),
                      tensor.detach() if keep else None)
         self.records.append(rec)
         self._index[name] = rec  # a name recorded twice (never by the model) keeps its latest
@@ -109,8 +113,14 @@ class Trace:
         return sum(r.macs for r in self.records)
 
     def nbytes(self) -> int:
-        """Bytes of the tensors this trace holds (a view counts as the size of its own elements)."""
-        return sum(r.tensor.numel() * r.tensor.element_size() for r in self.records if r.tensor is not None)
+        """Bytes of memory the kept tensors occupy. A view (`q` of `q_proj`, a slice of the KV cache)
+        and a tensor recorded under several names (the causal mask) share memory: counted once."""
+        storages = {}
+        for r in self.records:
+            if r.tensor is not None:
+                s = r.tensor.untyped_storage()
+                storages[s.data_ptr()] = s.nbytes()
+        return sum(storages.values())
 
     # --- views ------------------------------------------------------------------------------
     def table(self, pattern: str | None = None, layers: int | None = None) -> str:
@@ -164,6 +174,11 @@ class _NoTrace:
 
 
 NO_TRACE = _NoTrace()
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")  # torch.float32 -> "float32"
 
 
 def _fmt_shape(shape) -> str:
