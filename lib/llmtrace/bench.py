@@ -246,7 +246,7 @@ def run(model=None, quick: bool = False, threads: int | None = None) -> dict:
     # repeats, new tokens for decode, new tokens for the KV-cache comparison; the forward passes, whose
     # ratios carry the tightest targets, get more rounds (the 6-token one is short and noisy)
     repeat, new_tokens, kv_tokens = (3, 16, 30) if quick else (7, 50, 100)
-    forward_repeats = {6: 15, 256: 7} if quick else {6: 25, 256: 9}
+    forward_repeats = {6: 30, 256: 7} if quick else {6: 40, 256: 9}
     model = model or load_model(os.environ.get("LLMTRACE_MODEL", "embedded"))
     c = model.config
     hfs = {attn: hf_model(model, attn) for attn in ("eager", "sdpa")}
