@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from llmtrace import load_model, meta_model
 
@@ -25,12 +24,10 @@ def tiny_meta():
 @pytest.fixture(scope="session")
 def hf_reference(embedded):
     """HF transformers' LlamaForCausalLM, eager attention, on the same fp32 weights."""
-    transformers = pytest.importorskip("transformers")
-    from llmtrace.models import embedded_checkpoint
+    pytest.importorskip("transformers")
+    from llmtrace.models import hf_reference
 
-    model = transformers.LlamaForCausalLM.from_pretrained(
-        embedded_checkpoint(), attn_implementation="eager", dtype=torch.float32)
-    return model.eval()
+    return hf_reference(embedded, "eager")
 
 
 @pytest.fixture(scope="session")

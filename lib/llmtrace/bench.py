@@ -29,6 +29,7 @@ from . import NO_TRACE, Trace, generate, load_model
 from .cost import decode_bytes
 from .errors import LlmTraceError
 from .model import trace_shapes
+from .models import hf_reference
 
 PROMPT = "The capital of France is"
 
@@ -51,11 +52,12 @@ class Timings:
         return statistics.median(x / y for x, y in zip(self.times[a], self.times[b]))
 
 
-def interleaved(fns: dict, repeat: int) -> Timings:
+def interleaved(fns: dict, repeat: int, warmup: bool = True) -> Timings:
     """Run every variant once per round, in a rotating order, `repeat` rounds (after one warm-up
     of each), so that the machine's drift over time (frequency, other load) falls on all alike."""
-    for fn in fns.values():
-        fn()
+    if warmup:
+        for fn in fns.values():
+            fn()
     times = {k: [] for k in fns}
     faults = {k: [] for k in fns}
     for i in range(repeat):
@@ -70,16 +72,8 @@ def interleaved(fns: dict, repeat: int) -> Timings:
     return Timings(times, faults)
 
 
-def median_time(fn, repeat: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        gc.collect()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def median_time(fn, repeat: int, warmup: bool = True) -> float:
+    return interleaved({"fn": fn}, repeat, warmup).seconds("fn")
 
 
 def memory_bandwidth(gib: float = 1.0, repeat: int = 5) -> float:
@@ -93,20 +87,6 @@ def prompt_ids(model, n: int) -> torch.Tensor:
     """The prompt, repeated until it is n tokens long."""
     ids = model.tokenizer.encode((PROMPT + " Paris. ") * n)[:n]
     return torch.tensor([ids])
-
-
-def hf_model(model, attn: str):
-    """HF's LlamaForCausalLM on the same fp32 weights: the checkpoint directory the model came
-    from, or the embedded model's converted checkpoint."""
-    try:
-        from transformers import LlamaForCausalLM
-    except ImportError:
-        raise LlmTraceError("the comparison with HF needs transformers: pip install -r requirements-test.txt") from None
-    from .models import embedded_checkpoint
-
-    source = Path(model.source)
-    directory = source if (source / "config.json").is_file() else embedded_checkpoint()
-    return LlamaForCausalLM.from_pretrained(directory, attn_implementation=attn, dtype=torch.float32).eval()
 
 
 def bench_forward(model, hf, repeats: dict[int, int]) -> dict:
@@ -209,7 +189,7 @@ def bench_meta() -> dict:
         start = time.perf_counter()
         trace_shapes(name, 6, 1)
         first = time.perf_counter() - start
-        out[name] = {"first_s": first, "warm_s": median_time(lambda: trace_shapes(name, 6, 1), 3, warmup=0)}
+        out[name] = {"first_s": first, "warm_s": median_time(lambda: trace_shapes(name, 6, 1), 3, warmup=False)}
     return out
 
 
@@ -249,7 +229,7 @@ def run(model=None, quick: bool = False, threads: int | None = None) -> dict:
     forward_repeats = {6: 30, 256: 7} if quick else {6: 40, 256: 9}
     model = model or load_model(os.environ.get("LLMTRACE_MODEL", "embedded"))
     c = model.config
-    hfs = {attn: hf_model(model, attn) for attn in ("eager", "sdpa")}
+    hfs = {attn: hf_reference(model, attn) for attn in ("eager", "sdpa")}
     started = time.perf_counter()
     r = {"model": c.name, "threads": torch.get_num_threads(), "torch": torch.__version__,
          "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "quick": quick,

@@ -17,6 +17,7 @@ per process; elsewhere than glibc (macOS, musl) it does nothing and returns Fals
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
 
 M_TRIM_THRESHOLD = -1  # from glibc's malloc.h
@@ -24,15 +25,10 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 * 2**20  # glibc refuses more (HEAP_MAX_SIZE / 2 on 64-bit)
 TRIM_THRESHOLD = 2**30
 
-_done: bool | None = None
-
-
+@functools.cache
 def keep_freed_memory() -> bool:
     """Once per process: True if glibc now keeps freed memory for reuse."""
-    global _done
-    if _done is None:
-        _done = False
-        if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-            mallopt = ctypes.CDLL(None).mallopt
-            _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-    return _done
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))

@@ -84,3 +84,18 @@ def load_model(name: str | None = None) -> Model:
         return _load_embedded()
     check_name(choice)
     return _load_path(Path(choice).expanduser())
+
+
+def hf_reference(model: Model, attn: str = "eager"):
+    """HF transformers' LlamaForCausalLM on the same fp32 weights (the parity tests' reference and the
+    benchmark's rival): the Hugging Face directory the model came from, or the embedded model's
+    converted checkpoint. transformers is a test requirement, not a dependency of the library."""
+    import torch
+
+    try:
+        from transformers import LlamaForCausalLM
+    except ImportError:
+        raise LlmTraceError("the comparison with HF needs transformers: pip install -r requirements-test.txt") from None
+    source = Path(model.source)
+    directory = source if (source / "config.json").is_file() else embedded_checkpoint()
+    return LlamaForCausalLM.from_pretrained(directory, attn_implementation=attn, dtype=torch.float32).eval()
