@@ -1,5 +1,6 @@
-"""What every chapter of the book opens with: the model that produced its values, and TinyLlama's
-exact shapes for the same prompt, traced on the meta device."""
+"""What the chapters share: the model that produced their values (one line under each title),
+TinyLlama's exact shapes for the same prompt (traced on the meta device), prose whose numbers come
+from code (`say`), and the guard for claims that belong to one model (`runs`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from .models import load_model, resolve
 from .trace import Trace
 
 PROMPT = "The capital of France is"
+EMBEDDED = "smollm2-135m"  # the embedded model's config name
+TINYLLAMA = "tinyllama-1.1b"
+FULL_NAMES = {EMBEDDED: "SmolLM2-135M-Instruct", TINYLLAMA: "TinyLlama-1.1B"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -20,30 +24,48 @@ def tinyllama_walk(prompt: str = PROMPT) -> tuple[Trace, Trace]:
     from .weights.tokenizer_llama import llama_tokenizer
 
     ids = torch.tensor([llama_tokenizer().encode(prompt)])  # [1, 6]: BOS + 5
-    prefill, decode = trace_shapes("tinyllama-1.1b", ids, decode_steps=1, label="TinyLlama-1.1B")
+    prefill, decode = trace_shapes(TINYLLAMA, ids, decode_steps=1, label="TinyLlama-1.1B")
     return prefill, decode
 
 
 def describe(model: Model) -> str:
     c = model.config
     head = "tied to the embedding" if c.tied_lm_head else "untied"
-    return (f"{c.name}: {c.n_layers} layers, hidden {c.hidden_size}, {c.n_heads} query / {c.n_kv_heads} KV heads "
-            f"of {c.head_dim}, FFN {c.ffn_size}, vocabulary {c.vocab_size:,}, LM head {head}")
+    return (f"{c.name}: {c.n_layers} layers, hidden {c.hidden_size}, {c.n_heads} query / "
+            f"{c.n_kv_heads} KV heads of {c.head_dim}, FFN {c.ffn_size}, "
+            f"vocabulary {c.vocab_size:,}, LM head {head}")
+
+
+def model_label(model: Model) -> str:
+    """The name a reader knows the running model by: "SmolLM2-135M-Instruct (embedded)"."""
+    name = model.config.name
+    if name == EMBEDDED:
+        return f"{FULL_NAMES[EMBEDDED]} (embedded)"
+    return FULL_NAMES.get(name, name)
+
+
+def runs(model: Model, name: str = EMBEDDED) -> bool:
+    """True when the running model is `name`: claims measured on one model are asserted only then."""
+    return model.config.name == name
 
 
 def banner_text(model: Model) -> str:
-    which = "TinyLlama-1.1B itself" if model.config.name == "tinyllama-1.1b" else \
-        "the embedded model (TinyLlama's weights are not on this machine)"
-    return (f"**Values on this page** come from {which}: {describe(model)}; weights from {model.source}.  \n"
-            f"**TinyLlama-1.1B's shapes** come from its shape-only trace on PyTorch's meta device "
-            f"(no weights needed), for the same prompt with TinyLlama's own tokenizer.")
+    return (f"Values: **{model_label(model)}**, {model.config.n_layers} layers · "
+            f"shapes: **TinyLlama-1.1B**, traced on the meta device · "
+            f"<a href=\"../book/which_model.html\">which model runs</a>")
+
+
+def say(text: str) -> None:
+    """Prose whose numbers come from the code above it, rendered as Markdown (cells tagged
+    `remove-input`, so the book shows only the sentence; nbval checks its text)."""
+    from IPython.display import Markdown, display
+
+    display(Markdown(text))
 
 
 def start_chapter(name: str | None = None) -> tuple[Model, Trace]:
-    """Load the model in force (LLMTRACE_MODEL, default auto), show the banner, return
+    """Load the model in force (LLMTRACE_MODEL, default auto), show the one-line banner, return
     (model, TinyLlama's prefill shape trace)."""
-    from IPython.display import Markdown, display
-
     model = load_model(resolve(name))
-    display(Markdown(banner_text(model)))
+    say(banner_text(model))
     return model, tinyllama_walk()[0]
