@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 export LLMTRACE_CACHE ?= $(CURDIR)/.cache
 MATHJAX := book/_static/mathjax/tex-chtml.js
 
-.PHONY: setup book test browser bench tinyllama clean
+.PHONY: setup book test test-variants browser bench tinyllama clean
 
 $(VENV)/.installed: requirements.txt requirements-test.txt lib/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,14 @@ browser:
 
 test: book browser
 	LLMTRACE_MODEL=embedded $(PY) -m pytest tests notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg
+
+# nbval once more under each of three other CPU code paths (generic ATen kernels, MKL limited to
+# SSE4.2, one thread): the committed outputs must not depend on which kernels this machine picks
+NBVAL := LLMTRACE_MODEL=embedded $(PY) -m pytest notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg -q
+test-variants: setup
+	ATEN_CPU_CAPABILITY=default $(NBVAL)
+	MKL_ENABLE_INSTRUCTIONS=SSE4_2 $(NBVAL)
+	OMP_NUM_THREADS=1 $(NBVAL)
 
 # TinyLlama's weights into the Hugging Face cache (needs the hub; not used by the tests)
 tinyllama: setup
