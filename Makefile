@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 export LLMTRACE_CACHE ?= $(CURDIR)/.cache
 MATHJAX := book/_static/mathjax/tex-chtml.js
 
-.PHONY: setup book test test-variants browser bench tinyllama clean
+.PHONY: setup book test test-variants graphviz browser bench tinyllama clean
 
 $(VENV)/.installed: requirements.txt requirements-test.txt lib/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,8 +36,12 @@ $(MATHJAX):
 $(LLMTRACE_CACHE)/bench.json: | $(VENV)/.installed
 	$(PY) -m llmtrace.bench --quick
 
-book: setup $(MATHJAX) $(LLMTRACE_CACHE)/bench.json
+book: setup graphviz $(MATHJAX) $(LLMTRACE_CACHE)/bench.json
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
+
+# Debian's Graphviz: the map of the machine in the chapters is drawn by its `dot`
+graphviz:
+	command -v dot >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz)
 
 # Debian's Chromium, for the check of the rendered pages
 browser:

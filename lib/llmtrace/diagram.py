@@ -1,0 +1,126 @@
+"""A map of the machine, drawn from a trace: the whole forward pass beside one block, every edge
+labelled with the shape of the tensor that flows along it, and the chapter's own stage lit up.
+
+The map is Graphviz's DOT text built from the trace's records, so its shapes are the trace's
+shapes: from TinyLlama's meta-device trace they are TinyLlama's, exactly. `dot` (Debian's or any
+other graphviz package) renders it as SVG, which the book embeds as a vector image.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import shutil
+import subprocess
+
+from .errors import LlmTraceError
+
+# One block, as data dependencies between the trace's records (names within layer N).
+# "x" is the block's input: the embedding for layer 0, the previous block's resid_out after.
+BLOCK_EDGES = [
+    ("x", "attn_norm"),
+    ("attn_norm", "attn.q_proj"), ("attn_norm", "attn.k_proj"), ("attn_norm", "attn.v_proj"),
+    ("attn.q_proj", "attn.q"), ("attn.k_proj", "attn.k"), ("attn.v_proj", "attn.v"),
+    ("attn.q", "attn.rope_q"), ("attn.k", "attn.rope_k"),
+    ("attn.rope_k", "attn.kv_cache.k"), ("attn.v", "attn.kv_cache.v"),
+    ("attn.kv_cache.k", "attn.k_expanded"), ("attn.kv_cache.v", "attn.v_expanded"),
+    ("attn.rope_q", "attn.scores"), ("attn.k_expanded", "attn.scores"),
+    ("attn.scores", "attn.masked_scores"), ("attn.causal_mask", "attn.masked_scores"),
+    ("attn.masked_scores", "attn.weights"),
+    ("attn.weights", "attn.weighted_sum"), ("attn.v_expanded", "attn.weighted_sum"),
+    ("attn.weighted_sum", "attn.merged"), ("attn.merged", "attn.out"),
+    ("attn.out", "resid_mid"), ("x", "resid_mid"),
+    ("resid_mid", "mlp_norm"),
+    ("mlp_norm", "mlp.gate"), ("mlp_norm", "mlp.up"),
+    ("mlp.gate", "mlp.act"), ("mlp.act", "mlp.gated"), ("mlp.up", "mlp.gated"),
+    ("mlp.gated", "mlp.down"),
+    ("mlp.down", "resid_out"), ("resid_mid", "resid_out"),
+]
+RESIDUAL = {("x", "resid_mid"), ("resid_mid", "resid_out")}  # the skip connections
+
+# The whole pass: stage -> (what the node says, the record whose shape leaves it)
+PASS = [
+    ("prompt", "text", None),
+    ("tokens", "token ids", "tokens"),
+    ("embed", "embedding lookup", "embed"),
+    ("blocks", "{L} blocks", "layers.{last}.resid_out"),
+    ("final_norm", "final RMSNorm", "final_norm"),
+    ("lm_head", "LM head", "lm_head"),
+    ("last", "logits[:, -1]", None),
+    ("sample", "temperature, top-k, top-p, draw", None),
+    ("token", "next token id", None),
+]
+
+LIT = 'style="filled,bold" fillcolor="#ffd54f" color="#e65100"'
+PLAIN = 'style="filled" fillcolor="#f5f5f5" color="#9e9e9e"'
+
+
+def _shape(trace, name: str) -> str:
+    return "[" + ", ".join(str(s) for s in trace.shape(name)) + "]"
+
+
+def _lit(name: str, highlight) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in highlight)
+
+
+def machine_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
+    """DOT text of the map for a prefill trace (any config, meta or real). `highlight` is a glob
+    or a list of globs on the names of one block ("attn.rope_*", "mlp.*") or of the whole pass
+    ("embed", "lm_head", "sample", "blocks"): the chapter's "you are here"."""
+    highlight = [highlight] if isinstance(highlight, str) else list(highlight)
+    layers = sorted({int(r.name.split(".")[1]) for r in trace if r.name.startswith("layers.")})
+    if not layers:
+        raise LlmTraceError("the trace holds no layers: map a forward pass's trace (model.run)")
+    L, V = len(layers), trace.shape("lm_head")[-1]
+    block_lit = any(_lit(a, highlight) or _lit(b, highlight) for a, b in BLOCK_EDGES)
+
+    out = ['digraph machine {', '  rankdir=TB; nodesep=0.25; ranksep=0.32;',
+           '  node [shape=box fontname="Helvetica" fontsize=11 margin="0.12,0.04" height=0.3];',
+           '  edge [fontname="Courier" fontsize=9 color="#616161" fontcolor="#37474f"];']
+    if title:
+        out.append(f'  label="{title}"; labelloc=t; fontname="Helvetica"; fontsize=13;')
+
+    # the whole pass, top to bottom
+    out.append('  subgraph cluster_pass { label="the whole pass"; fontname="Helvetica"; color="#bdbdbd";')
+    for key, text, _ in PASS:
+        lit = _lit(key, highlight) or (key == "blocks" and block_lit)
+        out.append(f'    "p.{key}" [label="{text.format(L=L)}" {LIT if lit else PLAIN}];')
+    for (a, _, rec), (b, _, _) in zip(PASS, PASS[1:]):
+        label = {"prompt": "text", "last": f"[{V}]", "sample": "one id"}.get(a) \
+            or _shape(trace, rec.format(last=layers[-1]))
+        out.append(f'    "p.{a}" -> "p.{b}" [label=" {label}"];')
+    out.append('  }')
+
+    # one block, layer 0: every record, every edge labelled with its tensor's shape
+    out.append(f'  subgraph cluster_block {{ label="one block (layer 0 of {L})"; '
+               f'fontname="Helvetica"; color="#bdbdbd"; ordering=out;')
+    nodes = list(dict.fromkeys(n for edge in BLOCK_EDGES for n in edge))  # in data-flow order
+    for n in nodes:
+        label = "block input x" if n == "x" else n
+        out.append(f'    "b.{n}" [label="{label}" {LIT if _lit(n, highlight) else PLAIN}];')
+    for a, b in BLOCK_EDGES:
+        src = "embed" if a == "x" else f"layers.0.{a}"
+        style = ' style="dashed"' if (a, b) in RESIDUAL else ""
+        out.append(f'    "b.{a}" -> "b.{b}" [label=" {_shape(trace, src)}"{style}];')
+    out.append('  }')
+    out.append('  "p.blocks" -> "b.x" [style=dotted arrowhead=none color="#bdbdbd"];')
+    out.append('}')
+    return "\n".join(out)
+
+
+def render_svg(dot: str) -> str:
+    """SVG text from DOT text, with Graphviz's `dot`."""
+    exe = shutil.which("dot")
+    if exe is None:
+        raise LlmTraceError("Graphviz's `dot` is not installed: apt-get install graphviz "
+                            "(or `make graphviz` in the book's checkout)")
+    r = subprocess.run([exe, "-Tsvg"], input=dot, capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        raise LlmTraceError(f"dot failed: {r.stderr.strip().splitlines()[:1]}")
+    return r.stdout[r.stdout.index("<svg"):]  # drop the XML prolog and doctype
+
+
+def machine_map(trace, highlight: str | list[str] = (), title: str = ""):
+    """The map as an IPython SVG object, for a notebook cell."""
+    from IPython.display import SVG
+
+    return SVG(render_svg(machine_dot(trace, highlight, title)))

@@ -1,0 +1,42 @@
+"""The map of the machine is drawn from the trace: every operation of a block is on it, and every
+edge carries the shape the trace recorded."""
+
+import re
+import shutil
+
+import pytest
+
+from llmtrace.diagram import BLOCK_EDGES, machine_dot, render_svg
+from llmtrace.model import trace_shapes
+
+
+@pytest.fixture(scope="module")
+def tiny_trace():
+    return trace_shapes("tinyllama-1.1b", 6, decode_steps=0)[0]
+
+
+def test_every_operation_of_a_block_is_on_the_map(tiny_trace):
+    on_map = {n for edge in BLOCK_EDGES for n in edge} - {"x"}
+    recorded = {r.name.split(".", 2)[2] for r in tiny_trace.layer(0)} - {"attn_norm.mean_sq", "mlp_norm.mean_sq"}
+    assert on_map == recorded
+
+
+def test_edges_carry_tinyllamas_shapes(tiny_trace):
+    dot = machine_dot(tiny_trace)
+    assert '"b.attn.k" -> "b.attn.rope_k" [label=" [1, 6, 4, 64]"]' in dot
+    assert '"b.attn.k_expanded" -> "b.attn.scores" [label=" [1, 32, 6, 64]"]' in dot
+    assert '"b.attn.causal_mask" -> "b.attn.masked_scores" [label=" [6, 6]"]' in dot
+    assert '"p.lm_head" -> "p.last" [label=" [1, 6, 32000]"]' in dot
+    assert 'label="22 blocks"' in dot and 'one block (layer 0 of 22)' in dot
+
+
+def test_highlight_lights_the_stage_and_its_place_in_the_pass(tiny_trace):
+    dot = machine_dot(tiny_trace, "mlp.*")
+    lit = set(re.findall(r'"([pb]\.[\w.]+)" \[label="[^"]*" style="filled,bold"', dot))
+    assert lit == {"b.mlp.gate", "b.mlp.up", "b.mlp.act", "b.mlp.gated", "b.mlp.down", "p.blocks"}
+
+
+def test_renders_as_svg(tiny_trace):
+    assert shutil.which("dot"), "Graphviz is not installed: run `make graphviz`"
+    svg = render_svg(machine_dot(tiny_trace, "attn.rope_*"))
+    assert svg.startswith("<svg") and "attn.rope_q" in svg and "[1, 6, 32, 64]" in svg
