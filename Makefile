@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 export LLMTRACE_CACHE ?= $(CURDIR)/.cache
 MATHJAX := book/_static/mathjax/tex-chtml.js
 
-.PHONY: setup book test test-variants graphviz browser bench tinyllama clean
+.PHONY: setup book lab test test-variants graphviz browser bench tinyllama clean
 
 $(VENV)/.installed: requirements.txt requirements-test.txt lib/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,14 @@ $(LLMTRACE_CACHE)/bench.json: | $(VENV)/.installed
 
 book: setup graphviz $(MATHJAX) $(LLMTRACE_CACHE)/bench.json
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
+
+# JupyterLab on the chapters, in the project's environment (LAB_FLAGS=--no-browser on a server)
+$(VENV)/.lab: $(VENV)/.installed requirements-lab.txt
+	$(PIP) install -q -r requirements-lab.txt
+	touch $@
+
+lab: setup graphviz $(VENV)/.lab
+	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_FLAGS) notebooks/
 
 # Debian's Graphviz: the map of the machine in the chapters is drawn by its `dot`
 graphviz:

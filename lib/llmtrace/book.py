@@ -63,6 +63,19 @@ def say(text: str) -> None:
     display(Markdown(text))
 
 
+def show_source(*objects) -> None:
+    """The library's own source of each function, read from its file when the cell runs, so the
+    page shows the very code that produced the tensors beside it (and cannot drift from it)."""
+    import inspect
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent
+    for obj in objects:
+        where = Path(inspect.getsourcefile(obj)).resolve().relative_to(root)
+        code = inspect.getsource(obj)
+        say(f"From `llmtrace/{where}`:\n\n```python\n{code}```")
+
+
 def start_chapter(name: str | None = None) -> tuple[Model, Trace]:
     """Load the model in force (LLMTRACE_MODEL, default auto), show the one-line banner, return
     (model, TinyLlama's prefill shape trace)."""
