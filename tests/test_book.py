@@ -49,7 +49,7 @@ def test_chapter_renders_title_table_and_figure(attention_dom):
 
 
 def test_formulas_are_typeset_offline(built):
-    dom = chromium("--dump-dom", (built / "notebooks" / "05_rmsnorm.html").as_uri())
+    dom = chromium("--dump-dom", (built / "notebooks" / "04_rmsnorm.html").as_uri())
     assert "_static/mathjax/tex-chtml.js" in dom  # the local copy, not a CDN
     assert "<mjx-container" in dom  # MathJax ran and typeset the formula
     assert "\\frac{x}" not in dom.split("<mjx-container", 1)[1]  # no raw TeX left in the page
