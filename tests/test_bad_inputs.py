@@ -140,10 +140,11 @@ def test_cli_stdout_write_error(cli, monkeypatch, tiny):
 
 
 def test_cli_dev_full_in_a_process(tiny):
-    """stdout on a full disk: one line, status 2, no warning at exit."""
+    """stdout on a full disk, a non-ASCII prompt under the C locale: one line, status 2, no
+    warning at exit."""
     with open("/dev/full", "w") as full:
         argv = [sys.executable, "-m", "llmtrace", "--model", str(tiny), "--max-new-tokens", "1",
-                PROMPT]
+                "Paris, café ☕"]
         r = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120,
                            env={**os.environ, "LC_ALL": "C"})
     assert r.returncode == 2
