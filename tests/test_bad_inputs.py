@@ -653,6 +653,18 @@ def test_truncated_tokenizer_model_is_rebuilt(tmp_path, monkeypatch):
     assert oct(target.stat().st_mode & 0o777) == "0o644"
 
 
+def test_damaged_vocabulary_is_removed_and_named(tmp_path, monkeypatch):
+    from llmtrace.weights.tokenizer_llama import VOCAB, build, vocab_dir
+
+    monkeypatch.setenv("LLMTRACE_CACHE", str(tmp_path))
+    vocab_dir().mkdir()
+    (vocab_dir() / VOCAB).write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 100)
+    with pytest.raises(LlmTraceError) as err:
+        build(fetch=False)
+    assert "was damaged (" in one_line(err) and "is now removed: run `" in str(err.value)
+    assert not vocab_dir().exists()
+
+
 def test_messages_name_a_command_that_exists_here(tmp_path, monkeypatch):
     from llmtrace.weights.tokenizer_llama import build
 

