@@ -6,6 +6,8 @@ with the real probabilities.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .errors import LlmTraceError
@@ -30,7 +32,9 @@ def scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     overflows float32 to inf, and softmax of inf is NaN; softmax does not change when every logit
     is shifted by the same amount, so then shift the largest to 0 first and divide in float64:
     every other logit goes to a large negative number or -inf, whose probability is 0."""
-    top = float(logits[torch.isfinite(logits)].abs().max()) if logits.numel() else 0.0
+    top = float(logits.abs().max())
+    if math.isinf(top):  # -inf marks masked tokens: the largest finite logit is what overflows
+        top = float(logits[torch.isfinite(logits)].abs().max())
     if top < temperature * 1e36:
         return logits / temperature  # [V]
     shifted = (logits.double() - logits.max().double()) / temperature  # [V], at most 0
@@ -44,7 +48,8 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
     if logits.dim() != 1 or not logits.is_floating_point():
         raise LlmTraceError(f"sample takes the logits of one position, a float tensor [V], "
                             f"got {str(logits.dtype).removeprefix('torch.')} {list(logits.shape)}")
-    if torch.isnan(logits).any() or torch.isposinf(logits).any() or torch.isneginf(logits).all():
+    if not math.isfinite(float(logits.sum())) and (  # one cheap pass; the exact look only if needed
+            torch.isnan(logits).any() or torch.isposinf(logits).any() or torch.isneginf(logits).all()):
         raise LlmTraceError("the logits hold NaN or +inf (or are all -inf): there is nothing to "
                             "sample from; check the model's output first")
     logits = trace.record("sample.logits", "logits at the last position", logits.float())  # [V]  [32000]
