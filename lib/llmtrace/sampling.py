@@ -48,8 +48,9 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
     if logits.dim() != 1 or not logits.is_floating_point():
         raise LlmTraceError(f"sample takes the logits of one position, a float tensor [V], "
                             f"got {str(logits.dtype).removeprefix('torch.')} {list(logits.shape)}")
-    if not math.isfinite(float(logits.sum())) and (  # one cheap pass; the exact look only if needed
-            torch.isnan(logits).any() or torch.isposinf(logits).any() or torch.isneginf(logits).all()):
+    if not math.isfinite(float(logits.sum())) and (  # one cheap pass; the exact look if needed
+            torch.isnan(logits).any() or torch.isposinf(logits).any()
+            or torch.isneginf(logits).all()):
         raise LlmTraceError("the logits hold NaN or +inf (or are all -inf): there is nothing to "
                             "sample from; check the model's output first")
     logits = trace.record("sample.logits", "logits at the last position", logits.float())  # [V]  [32000]
