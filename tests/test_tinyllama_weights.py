@@ -32,9 +32,12 @@ def cached_tinyllama(no_tinyllama):
 
 def test_found_in_the_hf_cache(cached_tinyllama, embedded):
     assert find_tinyllama() == cached_tinyllama
-    model = load_model("tinyllama")
-    assert model.source == str(cached_tinyllama) and model.name == "tinyllama-1.1b"
-    assert load_model("auto").source == str(cached_tinyllama)
+    # the stand-in is not TinyLlama: under that label it is refused, by its path it loads
+    for choice in ("tinyllama", "auto"):
+        with pytest.raises(LlmTraceError, match="is not TinyLlama-1.1B: vocab_size=49152"):
+            load_model(choice)
+    model = load_model(cached_tinyllama)
+    assert model.source == str(cached_tinyllama)
     ids = embedded.encode("The capital of France is")
     assert torch.equal(model.run(ids, keep_values=False)[0], embedded.run(ids, keep_values=False)[0])
 

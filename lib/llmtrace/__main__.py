@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import signal
 import sys
 
@@ -12,8 +14,13 @@ import torch
 from .errors import LlmTraceError
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage and exits; here: one line, exit status 2
+        raise LlmTraceError(f"{message}: see python -m llmtrace --help")
+
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m llmtrace", description=__doc__)
+    p = _Parser(prog="python -m llmtrace", description=__doc__)
     p.add_argument("prompt", help="the text to continue")
     p.add_argument("--model", default=None,
                    help="auto (default, or $LLMTRACE_MODEL), embedded, tinyllama, a HF directory or a .gguf file")
@@ -36,21 +43,35 @@ def check_args(args) -> None:
 
     if not args.prompt:
         raise LlmTraceError("the prompt is empty: give at least one character of text")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # bytes that were not UTF-8 reach Python as lone surrogates
+        byte = ord(args.prompt[e.start]) - 0xDC00
+        raise LlmTraceError(f"the prompt is not valid UTF-8 (byte {byte:#04x} at character "
+                            f"{e.start}): pass UTF-8 text, e.g. under LANG=C.UTF-8") from None
     if args.max_new_tokens < 1:
         raise LlmTraceError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    check_sampling(args.temperature, args.top_k, args.top_p)
+    if args.layers < 1:
+        raise LlmTraceError(f"--layers must be at least 1, got {args.layers} "
+                            f"(--all-layers shows every layer)")
+    check_sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.model is not None and not args.model.strip():
+        raise LlmTraceError(f"--model {args.model!r} is empty: use one of auto, embedded, "
+                            f"tinyllama, a Hugging Face model directory or a .gguf file "
+                            f"(or leave --model out)")
     if args.shapes_only:
         shapes_config(args.model)
-    elif args.model is not None:
-        from .models import check_name
+    else:
+        from .models import check_name, resolve
 
-        check_name(args.model)
+        check_name(resolve(args.model))
 
 
 def shapes_config(model: str | None):
     """--shapes-only traces a preset: TinyLlama-1.1B unless --model names another one."""
     from .config import Config
 
+    model = None if model is None else model.strip()
     return Config.from_name("tinyllama-1.1b" if model in (None, "auto", "tinyllama") else model)
 
 
@@ -90,8 +111,9 @@ def run_live(args) -> dict:
     from .tokenize import display_piece
 
     model = load_model(args.model)
+    # the CLI prints the prefill's shapes and logits: no values, no later steps (flat memory)
     g = generate(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-                 keep_values=False)  # the CLI prints shapes, not values
+                 keep_values=False, first_step_only=True)
     tok = model.tokenizer
     return {"model": model.name, "source": model.source, "config": model.config.to_dict(),
             "input_ids": g.prompt_ids, "input_pieces": [display_piece(tok, i) for i in g.prompt_ids],
@@ -100,16 +122,17 @@ def run_live(args) -> dict:
             "new_pieces": [display_piece(tok, i) for i in g.new_ids]}
 
 
-def main(argv=None) -> int:
-    if hasattr(signal, "SIGPIPE"):  # `python -m llmtrace ... | head` ends quietly, as other CLIs do
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        check_args(args)  # before loading anything: bad flags fail at once
-        out = run_shapes_only(args) if args.shapes_only else run_live(args)
-    except LlmTraceError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def safe(text: str) -> str:
+    """Text from a user or a model, made harmless for a terminal: control characters (an escape
+    sequence could move the cursor or retitle the window) are shown as escapes, newlines kept."""
+    return CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def render(args, out: dict) -> str:
+    """Everything the CLI prints, as one string: written at once, or not at all."""
     trace, g, decode = out.pop("trace"), out.pop("generation"), out.pop("decode_trace", None)
     if args.json:
         out["trace"] = trace.to_dicts()
@@ -117,25 +140,83 @@ def main(argv=None) -> int:
             out["decode_trace"] = decode.to_dicts()
         if g is not None:
             out.update(generated_ids=g.new_ids, generated_text=g.text, stop_reason=g.stop_reason)
-        print(json.dumps(out, ensure_ascii=False))
-        return 0
+        try:
+            return json.dumps(out, ensure_ascii=False, allow_nan=False)  # valid JSON or an error
+        except ValueError:
+            raise LlmTraceError("the output holds a number that is not finite, which JSON cannot "
+                                "write: run without --json to see where") from None
     c = out["config"]
-    print(f"model: {out['model']} ({out['source']}): {c['n_layers']} layers, hidden {c['hidden_size']}, "
-          f"heads {c['n_heads']}/{c['n_kv_heads']}, vocab {c['vocab_size']}")
-    print("input: " + " ".join(f"{i}:{p!r}" for i, p in zip(out["input_ids"], out["input_pieces"])))
-    print()
-    print(trace.table(layers=None if args.all_layers else args.layers))
-    print(f"\ntotal multiply-adds: {trace.total_macs:,}")
+    pieces = zip(out["input_ids"], out["input_pieces"])
+    lines = [safe(f"model: {out['model']} ({out['source']}): {c['n_layers']} layers, "
+                  f"hidden {c['hidden_size']}, heads {c['n_heads']}/{c['n_kv_heads']}, "
+                  f"vocab {c['vocab_size']}"),
+             "input: " + " ".join(f"{i}:{p!r}" for i, p in pieces),
+             "", trace.table(layers=None if args.all_layers else args.layers),
+             f"\ntotal multiply-adds: {trace.total_macs:,}"]
     if decode is not None:
-        print("\nprefill vs the first decode step (layer 0; the cache already holds the prompt):")
-        print(trace.compare(decode, "layers.0.*"))
+        lines += ["\nprefill vs the first decode step (layer 0; the cache already holds the "
+                  "prompt):", trace.compare(decode, "layers.0.*")]
     if g is not None:
-        print("\ntop candidates for the first new token:")
-        for row in out["top10"]:
-            print(f"  {row['id']:>6}  {row['piece']!r:<14} logit {row['logit']:8.3f}  p {row['prob']:.4f}")
-        print(f"\ngenerated ({len(g.new_ids)} tokens, stopped at {g.stop_reason}):")
-        print(args.prompt + g.text)
+        lines.append("\ntop candidates for the first new token:")
+        lines += [f"  {r['id']:>6}  {r['piece']!r:<14} logit {r['logit']:8.3f}  p {r['prob']:.4f}"
+                  for r in out["top10"]]
+        lines += [f"\ngenerated ({len(g.new_ids)} tokens, stopped at {g.stop_reason}):",
+                  safe(args.prompt + g.text)]
+    return "\n".join(lines)
+
+
+def write(text: str) -> None:
+    """Print to stdout whatever its encoding: what it cannot encode (an ASCII terminal, a C
+    locale) is written as backslash escapes rather than crashing half-way."""
+    out = sys.stdout
+    encoding = getattr(out, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+    except (UnicodeEncodeError, LookupError):
+        text = text.encode(encoding, "backslashreplace").decode(encoding, "replace")
+    out.write(text + "\n")
+    out.flush()
+
+
+def fail(message: str, status: int = 2) -> int:
+    print(f"error: {safe(message)}".replace("\n", " "), file=sys.stderr)
+    return status
+
+
+def main(argv=None) -> int:
+    if hasattr(signal, "SIGPIPE"):  # `python -m llmtrace ... | head` ends quietly, as other CLIs do
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        check_args(args)  # before loading anything: bad flags fail at once
+        out = run_shapes_only(args) if args.shapes_only else run_live(args)
+        text = render(args, out)
+    except LlmTraceError as e:
+        return fail(str(e))
+    except KeyboardInterrupt:
+        return fail("interrupted", 130)
+    except MemoryError:
+        return fail("out of memory: use a shorter prompt or fewer --max-new-tokens")
+    try:
+        write(text)
+    except KeyboardInterrupt:
+        return fail("interrupted", 130)
+    except OSError as e:  # a full disk, a closed terminal
+        _silence_stdout()
+        return fail(f"cannot write the output ({e.strerror or e}): check where stdout goes")
     return 0
+
+
+def _silence_stdout() -> None:
+    """After a failed write, stdout still holds the bytes it could not write, and Python would
+    try again at exit and print a traceback-like warning: send them to /dev/null instead."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)
 
 
 if __name__ == "__main__":

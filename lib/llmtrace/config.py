@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import LlmTraceError
+
+
+# the integer fields and their least value (head_dim 0 means hidden_size // n_heads)
+INT_FIELDS = {"vocab_size": 1, "hidden_size": 1, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1,
+              "ffn_size": 1, "max_positions": 1, "head_dim": 0, "bos_id": 0, "eos_id": 0}
 
 
 @dataclass(frozen=True)
@@ -32,16 +38,35 @@ class Config:
     head_dim: int = 0  # 0 means hidden_size // n_heads
 
     def __post_init__(self):
+        problems = []
+        for field in INT_FIELDS:
+            value, least = getattr(self, field), INT_FIELDS[field]
+            if isinstance(value, bool) or not isinstance(value, int):
+                problems.append(f"{field}={value!r} must be an integer")
+            elif value < least:
+                problems.append(f"{field}={value} must be at least {least}")
+        for field, rule in (("rope_theta", "positive"), ("norm_eps", ">= 0")):
+            value = getattr(self, field)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not math.isfinite(value):
+                problems.append(f"{field}={value!r} must be a finite number")
+            elif value < 0 or (value == 0 and rule == "positive"):
+                problems.append(f"{field}={value:g} must be {rule}")
+        if problems:  # before anything below divides by a head count
+            raise LlmTraceError(f"config {self.name!r}: " + "; ".join(problems))
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.n_heads)
-        problems = []
         if self.n_heads % self.n_kv_heads:
             problems.append(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.head_dim % 2:
+        if self.head_dim < 2:
+            problems.append(f"head_dim={self.head_dim}: hidden_size={self.hidden_size} is smaller "
+                            f"than 2 x n_heads={self.n_heads}")
+        elif self.head_dim % 2:
             problems.append(f"head_dim={self.head_dim} is odd, RoPE rotates pairs")
-        for field in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "ffn_size", "max_positions"):
-            if getattr(self, field) < 1:
-                problems.append(f"{field}={getattr(self, field)} must be at least 1")
+        for field in ("bos_id", "eos_id"):
+            if getattr(self, field) >= self.vocab_size:
+                problems.append(f"{field}={getattr(self, field)} is not below "
+                                f"vocab_size={self.vocab_size}")
         if problems:
             raise LlmTraceError(f"config {self.name!r}: " + "; ".join(problems))
 
@@ -72,33 +97,57 @@ class Config:
     @classmethod
     def from_hf(cls, source: dict | str | Path, name: str | None = None) -> Config:
         """From a Hugging Face `config.json` (a path, a directory holding it, or its parsed dict)."""
+        where = "config"
         if not isinstance(source, dict):
             path = Path(source)
             if path.is_dir():
                 path = path / "config.json"
             if not path.is_file():
                 raise LlmTraceError(f"no config.json at {path}: point at a Hugging Face model directory")
-            source = json.loads(path.read_text())
+            where = str(path)
+            source = read_json(path, "a Hugging Face config")
             name = name or path.parent.name
         c = source
+        if not isinstance(c, dict):
+            raise LlmTraceError(f"{where} holds a {type(c).__name__}, not an object of settings: "
+                                f"it is not a Hugging Face config.json")
         if c.get("model_type", "llama") not in ("llama", "mistral"):
             raise LlmTraceError(f"model_type {c.get('model_type')!r} is not a Llama-family model")
+        refuse_unsupported(c, where)
+
+        def get(key, kind, default=None):
+            value = c.get(key, default)
+            if value is None:
+                if default is not None:
+                    return default
+                raise LlmTraceError(f"{where} lacks {key!r}: a Llama config.json names it")
+            if kind is float:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            else:
+                ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+            if not ok:
+                raise LlmTraceError(f"{where}: {key} must be {KIND_WORDS[kind]}, got {value!r}")
+            return value
+
+        rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
         eos = c.get("eos_token_id", 2)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else 2
         return cls(
-            name=name or c.get("_name_or_path", "hf-model"),
-            vocab_size=c["vocab_size"],
-            hidden_size=c["hidden_size"],
-            n_layers=c["num_hidden_layers"],
-            n_heads=c["num_attention_heads"],
-            n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-            ffn_size=c["intermediate_size"],
-            max_positions=c.get("max_position_embeddings", 2048),
-            rope_theta=float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            norm_eps=float(c.get("rms_norm_eps", 1e-5)),
-            tied_lm_head=bool(c.get("tie_word_embeddings", False)),
-            bos_id=c.get("bos_token_id", 1),
-            eos_id=eos[0] if isinstance(eos, list) else eos,
-            head_dim=c.get("head_dim") or 0,
+            name=name or c.get("_name_or_path") or "hf-model",
+            vocab_size=get("vocab_size", int),
+            hidden_size=get("hidden_size", int),
+            n_layers=get("num_hidden_layers", int),
+            n_heads=get("num_attention_heads", int),
+            n_kv_heads=get("num_key_value_heads", int, 0) or get("num_attention_heads", int),
+            ffn_size=get("intermediate_size", int),
+            max_positions=get("max_position_embeddings", int, 2048),
+            rope_theta=float(get("rope_theta", float, 0) or rope.get("rope_theta", 10000.0)),
+            norm_eps=float(get("rms_norm_eps", float, 1e-5)),
+            tied_lm_head=get("tie_word_embeddings", bool, False),
+            bos_id=get("bos_token_id", int, 1),
+            eos_id=2 if eos is None else eos,
+            head_dim=get("head_dim", int, 0),
         )
 
     def to_hf(self) -> dict:
@@ -132,32 +181,86 @@ class Config:
         if arch != "llama":
             raise LlmTraceError(f"GGUF architecture {arch!r} is not 'llama'")
 
-        def get(key, default=None):
+        def get(key, default=None, kind=int):
             value = fields.get(f"llama.{key}", default)
             if value is None:
-                raise LlmTraceError(f"GGUF metadata lacks llama.{key}")
-            return value
+                raise LlmTraceError(f"GGUF metadata lacks llama.{key}: the file is not a complete "
+                                    f"Llama model")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise LlmTraceError(f"GGUF metadata llama.{key} must be a number, "
+                                    f"got {value!r:.60}")
+            return kind(value)
 
-        n_heads = int(get("attention.head_count"))
-        hidden = int(get("embedding_length"))
-        vocab = fields.get("llama.vocab_size") or len(fields["tokenizer.ggml.tokens"])
+        scaling = fields.get("llama.rope.scaling.type")
+        if scaling not in (None, "none"):
+            raise LlmTraceError(f"GGUF rope scaling {scaling!r} (RoPE stretched for long contexts) "
+                                f"is not implemented: {LLAMA2}")
+        if fields.get("llama.expert_count"):
+            raise LlmTraceError(f"GGUF llama.expert_count={fields['llama.expert_count']} "
+                                f"(a mixture of experts) is not implemented: {LLAMA2}")
+        tokens = fields.get("tokenizer.ggml.tokens")
+        vocab = fields.get("llama.vocab_size") or (len(tokens) if isinstance(tokens, list) else 0)
+        if not vocab:
+            raise LlmTraceError("GGUF metadata has neither llama.vocab_size nor "
+                                "tokenizer.ggml.tokens: the file has no vocabulary")
+        n_heads, hidden = get("attention.head_count"), get("embedding_length")
         return cls(
             name=name,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            n_layers=int(get("block_count")),
+            n_layers=get("block_count"),
             n_heads=n_heads,
-            n_kv_heads=int(get("attention.head_count_kv", n_heads)),
-            ffn_size=int(get("feed_forward_length")),
-            max_positions=int(get("context_length")),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
+            n_kv_heads=get("attention.head_count_kv", n_heads),
+            ffn_size=get("feed_forward_length"),
+            max_positions=get("context_length"),
+            rope_theta=get("rope.freq_base", 10000.0, float),
             # GGUF stores eps as float32 (9.999999747e-06); round it back to the decimal it came from
-            norm_eps=float(f"{float(get('attention.layer_norm_rms_epsilon')):.6g}"),
+            norm_eps=float(f"{get('attention.layer_norm_rms_epsilon', None, float):.6g}"),
             tied_lm_head="output.weight" not in fields.get("_tensor_names", ()),
             bos_id=int(fields.get("tokenizer.ggml.bos_token_id", 1)),
             eos_id=int(fields.get("tokenizer.ggml.eos_token_id", 2)),
-            head_dim=int(fields.get("llama.rope.dimension_count") or hidden // n_heads),
+            head_dim=get("rope.dimension_count", 0) or (hidden // n_heads if n_heads > 0 else 0),
         )
+
+
+KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false"}
+LLAMA2 = "llmtrace computes the Llama-2 architecture (plain RoPE, SiLU, no biases, full attention)"
+
+
+def read_json(path: Path, what: str):
+    """A JSON file's content, or one line saying why it cannot be read."""
+    try:
+        return json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LlmTraceError(f"{path} is not valid JSON ({e}): it should be {what}; "
+                            f"download or write it again") from None
+    except OSError as e:
+        raise LlmTraceError(f"cannot read {path} ({e.strerror or e})") from None
+
+
+def refuse_unsupported(c: dict, where: str) -> None:
+    """Settings that change what the model computes, which this forward pass does not implement:
+    running such a checkpoint would print wrong logits as if they were right."""
+    rope = c.get("rope_scaling") or {}
+    params = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
+    kind = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else rope
+    kind = kind or params.get("rope_type", "default")
+    if kind not in ("default", None):
+        raise LlmTraceError(f"{where}: rope_scaling of type {kind!r} (RoPE stretched for long "
+                            f"contexts, as in Llama 3.x) is not implemented: {LLAMA2}")
+    act = c.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise LlmTraceError(f"{where}: hidden_act {act!r} is not implemented (the MLP is SwiGLU, "
+                            f"with SiLU): {LLAMA2}")
+    for key in ("attention_bias", "mlp_bias"):
+        if c.get(key):
+            raise LlmTraceError(f"{where}: {key}=true (projections with a bias vector) is not "
+                                f"implemented: {LLAMA2}")
+    window, positions = c.get("sliding_window"), c.get("max_position_embeddings", 2048)
+    full = isinstance(window, int) and isinstance(positions, int) and window >= positions
+    if window and not full:  # a window as long as the context never slides
+        raise LlmTraceError(f"{where}: sliding_window={window} (attention to the last {window} "
+                            f"positions only) is not implemented: {LLAMA2}")
 
 
 PRESETS: dict[str, Config] = {

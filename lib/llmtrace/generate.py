@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .check import check_finite, check_ids, check_int, check_trace_budget
 from .errors import LlmTraceError
 from .sampling import check_sampling, sample
 from .trace import NO_TRACE, Trace
@@ -45,23 +46,30 @@ def decode_one_token(model, token: int, cache, trace=NO_TRACE):
 
 def generate(model, prompt, max_new_tokens: int = 20, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int = 0, use_cache: bool = True, trace: bool = True,
-             keep_values: bool = True, names=None, stop_at_eos: bool = True) -> Generation:
-    """prompt: text, or a list / [1, T] tensor of ids. Deterministic for a given seed."""
-    check_sampling(temperature, top_k, top_p)
-    if max_new_tokens < 1:
+             keep_values: bool = True, names=None, stop_at_eos: bool = True,
+             first_step_only: bool = False) -> Generation:
+    """prompt: text, or a list / [1, T] tensor of ids. Deterministic for a given seed.
+    first_step_only: keep the trace and logits of the prefill alone (memory flat in the number of
+    new tokens), as the CLI does: it prints no more."""
+    check_sampling(temperature, top_k, top_p, seed)
+    if check_int("max_new_tokens", max_new_tokens) < 1:
         raise LlmTraceError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    ids = model.encode(prompt) if isinstance(prompt, str) else torch.as_tensor(prompt).reshape(1, -1)
+    V = model.config.vocab_size
+    ids = model.encode(prompt) if isinstance(prompt, str) else check_ids(prompt, V)  # [1, T]
     T = ids.shape[1]
     if T + max_new_tokens > model.config.max_positions:
         raise LlmTraceError(f"{T} prompt tokens + {max_new_tokens} new ones exceed {model.name}'s context of "
                             f"{model.config.max_positions}: shorten the prompt or lower max_new_tokens")
+    if trace and keep_values and names is None:
+        check_trace_budget(model.config, T, 0 if first_step_only else max_new_tokens - 1)
     generator = torch.Generator().manual_seed(seed)
     cache = model.new_cache(T + max_new_tokens) if use_cache else None
     result = Generation(ids[0].tolist(), [], "", "max_new_tokens")
     start = time.perf_counter()
     for step in range(max_new_tokens):
         label = "prefill" if step == 0 else f"decode {step}"
-        tr = Trace(keep_values, names, label) if trace else NO_TRACE
+        keep = step == 0 or not first_step_only
+        tr = Trace(keep_values, names, label) if trace and keep else NO_TRACE
         if step == 0:
             logits = prefill(model, ids, cache, tr) if use_cache else model.forward(ids, tr)
             result.positions_processed += T
@@ -72,10 +80,12 @@ def generate(model, prompt, max_new_tokens: int = 20, temperature: float = 0.0, 
             logits = model.forward(torch.tensor([result.ids]), tr)
             result.positions_processed += len(result.ids)
         last = logits[0, -1]  # [V]
+        check_finite(model, result.ids, last, tr)
         token = sample(last, temperature, top_k, top_p, generator, tr)
         result.new_ids.append(token)
-        result.step_logits.append(last)
-        if trace:
+        if keep:
+            result.step_logits.append(last)
+        if trace and keep:
             result.steps.append(tr)
         if stop_at_eos and token == model.config.eos_id:
             result.stop_reason = "eos"

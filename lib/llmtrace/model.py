@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import attention, causal_mask
+from .check import check_finite, check_ids, check_trace_budget
 from .config import Config
 from .embed import embed
 from .errors import LlmTraceError
@@ -159,7 +160,9 @@ class Model:
         return trace.record("lm_head", f"x @ W^T ({head})", logits, B * T * c.hidden_size * c.vocab_size)
 
     def encode(self, prompt: str, bos: bool | None = None) -> torch.Tensor:
-        if not isinstance(prompt, str) or not prompt:
+        if not isinstance(prompt, str):
+            raise LlmTraceError(f"the prompt must be text (str), got {type(prompt).__name__}")
+        if not prompt:
             raise LlmTraceError("the prompt is empty: give at least one character of text")
         if self.tokenizer is None:
             raise LlmTraceError(f"model {self.name} has no tokenizer: pass token ids instead of text")
@@ -167,10 +170,15 @@ class Model:
 
     def run(self, prompt: str | torch.Tensor, keep_values: bool = True, names=None) -> tuple[torch.Tensor, Trace]:
         """One traced forward pass over the prompt (a string or ids [1, T]): (logits, trace)."""
-        ids = self.encode(prompt) if isinstance(prompt, str) else prompt
+        V = self.config.vocab_size
+        ids = self.encode(prompt) if isinstance(prompt, str) else check_ids(prompt, V)  # [1, T]
+        if keep_values and names is None:
+            check_trace_budget(self.config, ids.shape[1])
         trace = Trace(keep_values=keep_values, names=names, label="prefill")
         cache = self.new_cache(ids.shape[1])
-        return self.forward(ids, trace, cache), trace
+        logits = self.forward(ids, trace, cache)  # [1, T, V]
+        check_finite(self, ids, logits, trace)
+        return logits, trace
 
     def __repr__(self) -> str:
         c = self.config

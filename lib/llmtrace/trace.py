@@ -80,9 +80,10 @@ class Trace:
         return name in self._index
 
     def get(self, name: str) -> Record:
-        if name not in self._index:
-            close = [n for n in self._index if name.split(".")[-1] in n][:3]
-            hint = f"; similar: {', '.join(close)}" if close else ""
+        if not isinstance(name, str) or name not in self._index:
+            from .check import suggest
+
+            hint = suggest(name, self.names)  # the closest names, from the same layer
             raise LlmTraceError(f"no record named {name!r} in this trace{hint}")
         return self._index[name]
 

@@ -69,32 +69,64 @@ def read_metadata(reader) -> dict:
     return fields
 
 
+INT_TYPES = ("I8", "I16", "I32", "I64")
+
+
+def first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+  # raw integers: no scale would turn them into weights
+
+
 def load_gguf(path: str | Path | None = None, name: str = "smollm2-135m"):
     """(config, state dict, tokenizer) from a Llama-architecture GGUF file (default: the embedded one)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     path = Path(path) if path is not None else embedded_gguf_path()
+    if not path.is_file():  # a FIFO or a device would block the reader forever
+        raise LlmTraceError(f"{path} is not a regular file: point at a .gguf file")
     try:
         reader = GGUFReader(path)
-    except (OSError, ValueError) as e:
-        raise LlmTraceError(f"cannot read {path} as GGUF: {e}") from None
-    meta = read_metadata(reader)
+        meta = read_metadata(reader)
+    except Exception as e:  # the reader raises ValueError, struct.error, IndexError...
+        raise LlmTraceError(f"cannot read {path} as GGUF ({type(e).__name__}: {first_line(e)}): "
+                            f"download the file again") from None
     config = Config.from_gguf(meta, name=name)
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise LlmTraceError(f"{path}: tokenizer {kind!r} is not byte-level BPE")
+    vocab = {k: meta.get(f"tokenizer.ggml.{k}") for k in ("tokens", "merges", "token_type")}
+    missing = [k for k, v in vocab.items() if not isinstance(v, list)]
+    if missing:
+        raise LlmTraceError(f"{path}: GGUF metadata lacks tokenizer.ggml.{missing[0]}: the file "
+                            f"has no complete tokenizer")
 
     sd = {}
     for t in reader.tensors:
-        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a writable copy
-        name_hf = hf_name(t.name)
+        name_hf, kind = hf_name(t.name), t.tensor_type.name
+        if kind in INT_TYPES:
+            raise LlmTraceError(f"{path}: tensor {t.name} holds raw {kind} integers, not weights "
+                                f"llmtrace can dequantize: use a float or Q*-quantized GGUF")
+        try:
+            w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
+        except (NotImplementedError, ValueError) as e:
+            raise LlmTraceError(f"{path}: tensor {t.name} of type {kind} cannot be dequantized "
+                                f"({e}): use a float or Q4/Q5/Q8 GGUF") from None
+        w = torch.from_numpy(w)
         if name_hf.endswith("q_proj.weight"):
             w = adjacent_to_half_split(w, config.n_heads)
         elif name_hf.endswith("k_proj.weight"):
             w = adjacent_to_half_split(w, config.n_kv_heads)
         sd[name_hf] = w
 
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise LlmTraceError(f"{path}: tokenizer {meta.get('tokenizer.ggml.model')!r} is not byte-level BPE")
-    tokenizer = HFTokenizer.from_gguf_vocab(
-        meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"], meta["tokenizer.ggml.token_type"],
-        config.bos_id, config.eos_id, add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+    try:
+        tokenizer = HFTokenizer.from_gguf_vocab(
+            vocab["tokens"], vocab["merges"], vocab["token_type"], config.bos_id, config.eos_id,
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+    except Exception as e:  # tokenizers rejects merges of unknown tokens, malformed merge lines...
+        raise LlmTraceError(f"{path}: the GGUF tokenizer cannot be built ({first_line(e)}): "
+                            f"download the file again") from None
+    if tokenizer.vocab_size > config.vocab_size:
+        raise LlmTraceError(f"{path}: the tokenizer has {tokenizer.vocab_size:,} pieces but the "
+                            f"model's embedding only {config.vocab_size:,} rows")
     return config, sd, tokenizer

