@@ -44,9 +44,12 @@ def decode_one_token(model, token: int, cache, trace=NO_TRACE):
 
 
 def generate(model, prompt, max_new_tokens: int = 20, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int = 0, use_cache: bool = True, trace: bool = True,
-             keep_values: bool = True, names=None, stop_at_eos: bool = True) -> Generation:
-    """prompt: text, or a list / [1, T] tensor of ids. Deterministic for a given seed."""
+             top_p: float | None = None, seed: int = 0, use_cache: bool = True,
+             keep_steps: bool = True, keep_values: bool = True, names=None,
+             stop_at_eos: bool = True) -> Generation:
+    """prompt: text, or a list / [1, T] tensor of ids. Deterministic for a given seed.
+    keep_steps: one Trace per step in `steps` ("prefill", "decode 1", ...), else none at all
+    (`keep_values` and `names` then choose what each step's trace keeps)."""
     check_sampling(temperature, top_k, top_p)
     if max_new_tokens < 1:
         raise LlmTraceError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -58,28 +61,44 @@ def generate(model, prompt, max_new_tokens: int = 20, temperature: float = 0.0, 
     generator = torch.Generator().manual_seed(seed)
     cache = model.new_cache(T + max_new_tokens) if use_cache else None
     result = Generation(ids[0].tolist(), [], "", "max_new_tokens")
-    start = time.perf_counter()
-    for step in range(max_new_tokens):
-        label = "prefill" if step == 0 else f"decode {step}"
-        tr = Trace(keep_values, names, label) if trace else NO_TRACE
-        if step == 0:
-            logits = prefill(model, ids, cache, tr) if use_cache else model.forward(ids, tr)
-            result.positions_processed += T
-        elif use_cache:
-            logits = decode_one_token(model, result.new_ids[-1], cache, tr)
-            result.positions_processed += 1
-        else:  # recompute the whole sequence so far
-            logits = model.forward(torch.tensor([result.ids]), tr)
-            result.positions_processed += len(result.ids)
+
+    def new_trace(label):
+        return Trace(keep_values, names, label) if keep_steps else NO_TRACE
+
+    def sample_next(logits, trace) -> int:
+        """Sample from the last position's logits [V] and keep the step."""
         last = logits[0, -1]  # [V]
-        token = sample(last, temperature, top_k, top_p, generator, tr)
+        token = sample(last, temperature, top_k, top_p, generator, trace)
         result.new_ids.append(token)
         result.step_logits.append(last)
-        if trace:
-            result.steps.append(tr)
+        if keep_steps:
+            result.steps.append(trace)
+        return token
+
+    start = time.perf_counter()
+    # Prefill: every prompt position in one pass, filling the cache.
+    trace = new_trace("prefill")
+    if use_cache:
+        logits = prefill(model, ids, cache, trace)  # [1, T, V]
+    else:
+        logits = model.forward(ids, trace)  # [1, T, V]
+    result.positions_processed = T
+    token = sample_next(logits, trace)
+
+    # Decode: one new position per step. The last sampled token is never fed back.
+    for step in range(1, max_new_tokens):
         if stop_at_eos and token == model.config.eos_id:
-            result.stop_reason = "eos"
             break
+        trace = new_trace(f"decode {step}")
+        if use_cache:
+            logits = decode_one_token(model, token, cache, trace)  # [1, 1, V]
+            result.positions_processed += 1
+        else:  # no cache: recompute the whole sequence so far
+            logits = model.forward(torch.tensor([result.ids]), trace)  # [1, T + step, V]
+            result.positions_processed += len(result.ids)
+        token = sample_next(logits, trace)
+    if stop_at_eos and token == model.config.eos_id:
+        result.stop_reason = "eos"
     result.seconds = time.perf_counter() - start
     if model.tokenizer is not None:
         result.text = model.tokenizer.decode(result.new_ids)
