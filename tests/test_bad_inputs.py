@@ -446,8 +446,8 @@ def test_generate_arguments(model, kwargs, says):
 
 @pytest.mark.parametrize("temperature", [1e-30, 1e-39, 1e-45, 5e-324])
 def test_any_positive_temperature(model, temperature):
-    greedy = generate(model, PROMPT, 4, trace=False).new_ids
-    cold = generate(model, PROMPT, 4, temperature=temperature, seed=3, trace=False)
+    greedy = generate(model, PROMPT, 4, keep_steps=False).new_ids
+    cold = generate(model, PROMPT, 4, temperature=temperature, seed=3, keep_steps=False)
     assert cold.new_ids == greedy
 
 
@@ -475,7 +475,7 @@ def test_nan_weights_name_the_first_op(ckpt):
     nan_weight(ckpt, "model.layers.0.self_attn.v_proj.weight")
     m = load_model(ckpt)
     for run in (lambda: m.run(PROMPT), lambda: m.run(PROMPT, keep_values=False),
-                lambda: generate(m, PROMPT, 3, trace=False)):  # untraced: found by a traced re-run
+                lambda: generate(m, PROMPT, 3, keep_steps=False)):  # untraced: found by a traced re-run
         with pytest.raises(LlmTraceError) as err:
             run()
         assert "the output of layers.0.attn.v_proj is not finite" in one_line(err)
@@ -516,7 +516,7 @@ def test_embedded_trace_of_2048_tokens_is_refused_first(embedded, monkeypatch):
 def cache(tmp_path, monkeypatch, embedded):
     """An empty cache, and a conversion that takes no ten seconds: a 1-layer model with the
     embedded vocabulary stands in for the GGUF. `calls` counts conversions."""
-    from llmtrace.model import expected_shapes
+    from llmtrace.config import expected_shapes
 
     monkeypatch.setenv("LLMTRACE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(models, "_embedded", None)

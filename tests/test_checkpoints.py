@@ -1,19 +1,30 @@
-"""Hugging Face checkpoints (one file and sharded) and the GGUF reader, on the embedded weights."""
+"""Hugging Face checkpoints (one file and sharded) on a tiny random checkpoint, the GGUF reader on
+the embedded model, and the one table of weight names that both follow."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from llmtrace import Config, LlmTraceError, load_model
-from llmtrace.model import state_dict_from_weights
+from llmtrace.config import LAYER_TENSORS, MODEL_TENSORS, expected_shapes
+from llmtrace.model import LayerWeights, Weights, state_dict_from_weights
 from llmtrace.weights.gguf import embedded_gguf_path, load_gguf
 from llmtrace.weights.hf import save_hf
 
 
 @pytest.fixture(scope="module")
-def state_dict(embedded):
-    return state_dict_from_weights(embedded.config, embedded.weights)
+def state_dict(tiny):
+    return state_dict_from_weights(tiny.config, tiny.weights)
+
+
+def test_one_table_names_every_weight():
+    assert list(LAYER_TENSORS) == [f.name for f in dataclasses.fields(LayerWeights)]
+    assert set(MODEL_TENSORS) == {f.name for f in dataclasses.fields(Weights)} - {"layers"}
+    shapes = expected_shapes(Config.from_name("tinyllama-1.1b"))
+    assert shapes["model.layers.21.self_attn.k_proj.weight"] == (256, 2048)
+    assert shapes["lm_head.weight"] == (32000, 2048) and len(shapes) == 3 + 22 * 9
 
 
 def test_gguf_reads_config_and_tokenizer():
@@ -22,46 +33,49 @@ def test_gguf_reads_config_and_tokenizer():
     assert sd["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576)
     assert sd["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
     assert sd["model.embed_tokens.weight"].dtype == torch.float32
-    assert "lm_head.weight" not in sd  # tied
+    assert set(sd) == set(expected_shapes(config))  # tied: no lm_head.weight
     assert tok.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
 
 
-@pytest.mark.parametrize("shard", [None, 60_000_000])
-def test_hf_checkpoint_round_trip(tmp_path, embedded, state_dict, shard):
-    d = save_hf(tmp_path / "ckpt", embedded.config, state_dict, embedded.tokenizer, max_shard_bytes=shard)
+@pytest.mark.parametrize("shard", [None, 40_000])
+def test_hf_checkpoint_round_trip(tmp_path, tiny, state_dict, shard):
+    d = save_hf(tmp_path / "ckpt", tiny.config, state_dict, max_shard_bytes=shard)
     if shard:
         index = json.loads((d / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 1
     model = load_model(str(d))
-    ids = embedded.encode("The capital of France is")
-    ours, _ = model.run(ids, keep_values=False)
-    ref, _ = embedded.run(ids, keep_values=False)
-    assert torch.equal(ours, ref)
-    assert model.tokenizer.encode("The capital of France is") == ids[0].tolist()
+    ids = tiny.encode("The capital of France is")
+    assert torch.equal(model.run(ids, keep_values=False)[0], tiny.run(ids, keep_values=False)[0])
 
 
-def test_checkpoint_that_disagrees_with_its_config(tmp_path, embedded, state_dict):
+def test_tiny_checkpoint_reads_its_tokenizer(tiny):
+    assert tiny.config.n_layers == 2 and tiny.config.n_kv_heads == 2 and tiny.config.head_dim == 16
+    assert tiny.encode("The capital of France is")[0].tolist() == [1, 450, 7483, 310, 3444, 338]
+
+
+def test_checkpoint_that_disagrees_with_its_config(tmp_path, tiny, state_dict):
     bad = dict(state_dict)
-    bad["model.layers.7.mlp.up_proj.weight"] = torch.zeros(1000, 576)
-    d = save_hf(tmp_path / "bad", embedded.config, bad, embedded.tokenizer)
-    with pytest.raises(LlmTraceError, match=r"model.layers.7.mlp.up_proj.weight has shape \[1000, 576\] "
-                                            r"but the config implies \[1536, 576\]"):
+    bad["model.layers.1.mlp.up_proj.weight"] = torch.zeros(100, 64)
+    d = save_hf(tmp_path / "bad", tiny.config, bad)
+    with pytest.raises(LlmTraceError, match=r"model.layers.1.mlp.up_proj.weight has shape "
+                                            r"\[100, 64\] but the config implies \[176, 64\]"):
         load_model(str(d))
 
 
-def test_config_that_disagrees_with_its_checkpoint(tmp_path, embedded, state_dict):
-    d = save_hf(tmp_path / "bad", embedded.config, state_dict, embedded.tokenizer)
+def test_config_that_disagrees_with_its_checkpoint(tmp_path, tiny, state_dict):
+    d = save_hf(tmp_path / "bad", tiny.config, state_dict)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["num_key_value_heads"] = 9
+    cfg["num_key_value_heads"] = 4
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(LlmTraceError, match=r"k_proj.weight has shape \[192, 576\] but the config implies \[576, 576\]"):
+    with pytest.raises(LlmTraceError,
+                       match=r"k_proj.weight has shape \[32, 64\] but the config implies \[64, 64\]"):
         load_model(str(d))
 
 
-def test_missing_tensor_and_missing_files(tmp_path, embedded, state_dict):
-    partial = {k: v for k, v in state_dict.items() if "layers.29." not in k}
-    d = save_hf(tmp_path / "partial", embedded.config, partial, embedded.tokenizer)
-    with pytest.raises(LlmTraceError, match="tensor model.layers.29.input_layernorm.weight is missing"):
+def test_missing_tensor_and_missing_files(tmp_path, tiny, state_dict):
+    partial = {k: v for k, v in state_dict.items() if "layers.1." not in k}
+    d = save_hf(tmp_path / "partial", tiny.config, partial)
+    with pytest.raises(LlmTraceError, match="model.layers.1.input_layernorm.weight is missing"):
         load_model(str(d))
     (tmp_path / "empty").mkdir()
     with pytest.raises(LlmTraceError, match="no config.json"):
@@ -71,6 +85,14 @@ def test_missing_tensor_and_missing_files(tmp_path, embedded, state_dict):
 def test_hf_config_round_trip():
     for c in (Config.from_name("tinyllama"), Config.from_name("smollm2-135m")):
         assert Config.from_hf(c.to_hf(), name=c.name) == c
+
+
+def test_presets_by_name():
+    c = Config.from_name("embedded")
+    shape = (c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim)
+    assert c.name == "smollm2-135m" and shape == (30, 576, 9, 3, 64)
+    assert c.tied_lm_head and c.rope_theta == 100000.0
+    assert Config.from_name("70b").n_kv_heads == 8
 
 
 def test_unknown_names():

@@ -1,4 +1,5 @@
-"""python -m llmtrace: the table and the text, --json, and one-line errors."""
+"""python -m llmtrace: the table and the text, --json, and one-line errors. In-process through
+`main(argv)`, but for one true subprocess: the exit code and stdout as a shell sees them."""
 
 import json
 import subprocess
@@ -6,23 +7,30 @@ import sys
 
 import pytest
 
-
-def run(*args):
-    return subprocess.run([sys.executable, "-m", "llmtrace", *args], capture_output=True, text=True, timeout=300)
+from llmtrace.__main__ import main
 
 
-def test_cli_greedy_paris():
-    r = run("--model", "embedded", "--max-new-tokens", "4", "The capital of France is")
+def run(capsys, *args):
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_process_greedy_paris():
+    args = ["--model", "embedded", "--max-new-tokens", "4", "The capital of France is"]
+    r = subprocess.run([sys.executable, "-m", "llmtrace", *args], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
     assert "layers.0.attn.scores" in r.stdout and "[1, 9, 5, 5]" in r.stdout
     assert "The capital of France is Paris." in r.stdout
     assert "7042  ' Paris'" in r.stdout
 
 
-def test_cli_json():
-    r = run("--model", "embedded", "--max-new-tokens", "3", "--json", "The capital of France is")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+def test_cli_json(capsys):
+    code, stdout, err = run(capsys, "--model", "embedded", "--max-new-tokens", "3", "--json",
+                            "The capital of France is")
+    assert code == 0, err
+    out = json.loads(stdout)
     assert out["model"] == "smollm2-135m" and out["config"]["n_layers"] == 30
     assert out["input_ids"] == [504, 3575, 282, 4649, 314]
     assert out["input_pieces"][1] == " capital"
@@ -42,22 +50,22 @@ def test_cli_json():
     (["--top-k", "0", "hi"], "error: top_k must be at least 1"),
     (["--model", "embedded", "--max-new-tokens", "9000", "hi"], "exceed smollm2-135m's context of 8192"),
 ])
-def test_cli_errors_are_one_line(args, message):
-    r = run(*args)
-    assert r.returncode == 2
-    assert message in r.stderr
-    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+def test_cli_errors_are_one_line(capsys, args, message):
+    code, _, err = run(capsys, *args)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_cli_shapes_only_tinyllama():
-    r = run("--shapes-only", "The capital of France is")
-    assert r.returncode == 0, r.stderr
-    assert "tinyllama-1.1b" in r.stdout and "450:' The'" in r.stdout
-    rows = [line for line in r.stdout.splitlines() if line.startswith("layers.0.attn.scores ")]
+def test_cli_shapes_only_tinyllama(capsys):
+    code, stdout, err = run(capsys, "--shapes-only", "The capital of France is")
+    assert code == 0, err
+    assert "tinyllama-1.1b" in stdout and "450:' The'" in stdout
+    rows = [line for line in stdout.splitlines() if line.startswith("layers.0.attn.scores ")]
     assert "[1, 32, 6, 6]" in rows[0] and "73,728" in rows[0]  # the table: shape and MACs
     assert "[1, 32, 6, 6]" in rows[1] and "[1, 32, 1, 7]" in rows[1]  # prefill vs decode 1
-    r = run("--shapes-only", "--json", "The capital of France is")
-    out = json.loads(r.stdout)
+    _, stdout, _ = run(capsys, "--shapes-only", "--json", "The capital of France is")
+    out = json.loads(stdout)
     assert out["input_ids"] == [1, 450, 7483, 310, 3444, 338]
     shapes = {x["name"]: x["shape"] for x in out["trace"]}
     assert shapes["layers.21.attn.k_expanded"] == [1, 32, 6, 64] and shapes["lm_head"] == [1, 6, 32000]

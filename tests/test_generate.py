@@ -20,8 +20,8 @@ def test_greedy_picks_paris(embedded):
 
 
 def test_cache_gives_the_logits_of_recomputation(embedded):
-    cached = generate(embedded, PROMPT, max_new_tokens=6, trace=False)
-    fresh = generate(embedded, PROMPT, max_new_tokens=6, trace=False, use_cache=False)
+    cached = generate(embedded, PROMPT, max_new_tokens=6, keep_steps=False)
+    fresh = generate(embedded, PROMPT, max_new_tokens=6, keep_steps=False, use_cache=False)
     assert cached.new_ids == fresh.new_ids
     for a, b in zip(cached.step_logits, fresh.step_logits):
         assert (a - b).abs().max().item() < 1e-4
@@ -58,11 +58,29 @@ def test_chunked_prefill_matches_one_pass(embedded):
     assert (torch.cat([a, b], 1) - whole).abs().max().item() < 1e-4
 
 
-def test_seeded_sampling_is_reproducible(embedded):
-    runs = [generate(embedded, PROMPT, 8, temperature=1.0, top_p=0.9, seed=7, trace=False).new_ids for _ in range(2)]
+def test_seeded_sampling_is_reproducible():
+    logits = torch.log(torch.tensor([0.30, 0.25, 0.20, 0.15, 0.10]))  # [V]: no token dominates
+
+    def draws(seed, **kwargs):
+        generator = torch.Generator().manual_seed(seed)
+        return [sample(logits, temperature=1.0, generator=generator, **kwargs) for _ in range(20)]
+
+    assert draws(7, top_p=0.9) == draws(7, top_p=0.9)
+    assert set(draws(7, top_p=0.7)) <= {0, 1, 2}  # top-p keeps 0.30 + 0.25 + 0.20 >= 0.7
+    assert len({tuple(draws(s)) for s in range(4)}) > 1  # different seeds, different draws
+
+
+def test_generation_is_seeded(embedded):
+    runs = [generate(embedded, PROMPT, 3, temperature=1.0, seed=7, keep_steps=False).new_ids
+            for _ in range(2)]
     assert runs[0] == runs[1]
-    others = {tuple(generate(embedded, PROMPT, 8, temperature=1.5, seed=s, trace=False).new_ids) for s in range(4)}
-    assert len(others) > 1  # different seeds, different draws
+
+
+def test_kv_cache_too_small(embedded):
+    cache = embedded.new_cache(4)
+    with pytest.raises(LlmTraceError, match=r"the KV cache holds 4 positions, this step needs 5: "
+                                            r"make it with model.new_cache\(5\) or larger"):
+        embedded.forward(embedded.encode(PROMPT), cache=cache)
 
 
 def test_top_p_walk_is_recorded():
@@ -85,9 +103,10 @@ def test_top_k_keeps_k():
 def test_stops_at_eos(embedded):
     eos = embedded.config.eos_id
     ids = embedded.encode("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n")
-    g = generate(embedded, ids, max_new_tokens=40, trace=False)
+    g = generate(embedded, ids, max_new_tokens=40, keep_steps=False)
     assert g.stop_reason == "eos" and g.new_ids[-1] == eos and len(g.new_ids) < 40
-    g = generate(embedded, PROMPT, max_new_tokens=3, trace=False)
+    assert g.positions_processed == ids.shape[1] + len(g.new_ids) - 1  # the EOS is never fed back
+    g = generate(embedded, PROMPT, max_new_tokens=3, keep_steps=False)
     assert g.stop_reason == "max_new_tokens" and len(g.new_ids) == 3
 
 

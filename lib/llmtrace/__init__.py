@@ -1,13 +1,13 @@
 """llmtrace: a Llama forward pass that records the shape, dtype, cost and value of every operation."""
 
-from .config import PRESETS, Config
+from .config import Config
 from .errors import LlmTraceError
-from .generate import Generation, decode_one_token, generate, prefill
-from .kv_cache import KVCache
-from .model import Model, meta_model
+from .generate import generate
+from .lens import logit_lens
+from .model import meta_model, trace_shapes
 from .models import load_model
 from .sampling import sample
-from .trace import NO_TRACE, Record, Trace
+from .trace import Trace
 
-__all__ = ["Config", "PRESETS", "LlmTraceError", "Generation", "generate", "prefill", "decode_one_token",
-           "KVCache", "Model", "meta_model", "load_model", "sample", "Trace", "Record", "NO_TRACE"]
+__all__ = ["Config", "LlmTraceError", "generate", "logit_lens", "meta_model", "trace_shapes",
+           "load_model", "sample", "Trace"]

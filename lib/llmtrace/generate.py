@@ -44,11 +44,13 @@ def decode_one_token(model, token: int, cache, trace=NO_TRACE):
     return model.forward(ids, trace, cache, start=cache.length)
 
 
-def generate(model, prompt, max_new_tokens: int = 20, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int = 0, use_cache: bool = True, trace: bool = True,
-             keep_values: bool = True, names=None, stop_at_eos: bool = True,
-             first_step_only: bool = False) -> Generation:
+def generate(model, prompt, max_new_tokens: int = 20, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             use_cache: bool = True, keep_steps: bool = True, keep_values: bool = True, names=None,
+             stop_at_eos: bool = True, first_step_only: bool = False) -> Generation:
     """prompt: text, or a list / [1, T] tensor of ids. Deterministic for a given seed.
+    keep_steps: one Trace per step in `steps` ("prefill", "decode 1", ...), else none at all
+    (`keep_values` and `names` then choose what each step's trace keeps).
     first_step_only: keep the trace and logits of the prefill alone (memory flat in the number of
     new tokens), as the CLI does: it prints no more."""
     check_sampling(temperature, top_k, top_p, seed)
@@ -58,38 +60,58 @@ def generate(model, prompt, max_new_tokens: int = 20, temperature: float = 0.0, 
     ids = model.encode(prompt) if isinstance(prompt, str) else check_ids(prompt, V)  # [1, T]
     T = ids.shape[1]
     if T + max_new_tokens > model.config.max_positions:
-        raise LlmTraceError(f"{T} prompt tokens + {max_new_tokens} new ones exceed {model.name}'s context of "
-                            f"{model.config.max_positions}: shorten the prompt or lower max_new_tokens")
-    if trace and keep_values and names is None:
+        raise LlmTraceError(f"{T} prompt tokens + {max_new_tokens} new ones exceed {model.name}'s "
+                            f"context of {model.config.max_positions}: shorten the prompt or lower "
+                            f"max_new_tokens")
+    if keep_steps and keep_values and names is None:
         check_trace_budget(model.config, T, 0 if first_step_only else max_new_tokens - 1)
     generator = torch.Generator().manual_seed(seed)
     cache = model.new_cache(T + max_new_tokens) if use_cache else None
     result = Generation(ids[0].tolist(), [], "", "max_new_tokens")
-    start = time.perf_counter()
-    for step in range(max_new_tokens):
+
+    def kept(step: int) -> bool:
+        return step == 0 or not first_step_only
+
+    def new_trace(step: int):
         label = "prefill" if step == 0 else f"decode {step}"
-        keep = step == 0 or not first_step_only
-        tr = Trace(keep_values, names, label) if trace and keep else NO_TRACE
-        if step == 0:
-            logits = prefill(model, ids, cache, tr) if use_cache else model.forward(ids, tr)
-            result.positions_processed += T
-        elif use_cache:
-            logits = decode_one_token(model, result.new_ids[-1], cache, tr)
-            result.positions_processed += 1
-        else:  # recompute the whole sequence so far
-            logits = model.forward(torch.tensor([result.ids]), tr)
-            result.positions_processed += len(result.ids)
+        return Trace(keep_values, names, label) if keep_steps and kept(step) else NO_TRACE
+
+    def sample_next(logits, trace, step: int) -> int:
+        """Sample from the last position's logits [V] and keep the step."""
         last = logits[0, -1]  # [V]
-        check_finite(model, result.ids, last, tr)
-        token = sample(last, temperature, top_k, top_p, generator, tr)
+        check_finite(model, result.ids, last, trace)
+        token = sample(last, temperature, top_k, top_p, generator, trace)
         result.new_ids.append(token)
-        if keep:
+        if kept(step):
             result.step_logits.append(last)
-        if trace and keep:
-            result.steps.append(tr)
+            if keep_steps:
+                result.steps.append(trace)
+        return token
+
+    start = time.perf_counter()
+    # Prefill: every prompt position in one pass, filling the cache.
+    trace = new_trace(0)
+    if use_cache:
+        logits = prefill(model, ids, cache, trace)  # [1, T, V]
+    else:
+        logits = model.forward(ids, trace)  # [1, T, V]
+    result.positions_processed = T
+    token = sample_next(logits, trace, 0)
+
+    # Decode: one new position per step. The last sampled token is never fed back.
+    for step in range(1, max_new_tokens):
         if stop_at_eos and token == model.config.eos_id:
-            result.stop_reason = "eos"
             break
+        trace = new_trace(step)
+        if use_cache:
+            logits = decode_one_token(model, token, cache, trace)  # [1, 1, V]
+            result.positions_processed += 1
+        else:  # no cache: recompute the whole sequence so far
+            logits = model.forward(torch.tensor([result.ids]), trace)  # [1, T + step, V]
+            result.positions_processed += len(result.ids)
+        token = sample_next(logits, trace, step)
+    if stop_at_eos and token == model.config.eos_id:
+        result.stop_reason = "eos"
     result.seconds = time.perf_counter() - start
     if model.tokenizer is not None:
         result.text = model.tokenizer.decode(result.new_ids)

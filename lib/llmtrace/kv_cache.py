@@ -6,6 +6,8 @@ position and reads all of them, so K and V of earlier tokens are never computed 
 
 import torch
 
+from .errors import LlmTraceError
+
 
 class KVCache:
     def __init__(self, n_layers: int, max_len: int, n_kv_heads: int, head_dim: int, batch: int = 1,
@@ -19,9 +21,9 @@ class KVCache:
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v ([B, T, KV, head_dim]) at positions start..start+T-1; read back 0..start+T-1."""
         end = start + k.shape[1]
+        if end > self.max_len:
+            raise LlmTraceError(f"the KV cache holds {self.max_len} positions, this step needs "
+                                f"{end}: make it with model.new_cache({end}) or larger")
         self.k[layer][:, start:end] = k
         self.v[layer][:, start:end] = v
         return self.k[layer][:, :end], self.v[layer][:, :end]  # [B, end, KV, head_dim]  [1, 7, 4, 64] at decode 1
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)

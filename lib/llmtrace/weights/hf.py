@@ -9,9 +9,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config, read_json
+from ..config import Config, expected_shapes, read_json
 from ..errors import LlmTraceError
-from ..model import expected_shapes
 from ..tokenize import HFTokenizer, SentencePieceTokenizer
 
 

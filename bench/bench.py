@@ -1,12 +1,13 @@
 """How fast is llmtrace, measured against HF transformers and against the memory bandwidth limit.
 
-    make bench        # or: python -m llmtrace.bench [--quick] [--threads N] [--json PATH]
+    make bench    # or, in the checkout: python -m bench.bench [--quick] [--threads N] [--json PATH]
 
 Threads are pinned; every time is a median of repeated runs, and every ratio the median of its
 per-round ratios (the variants run in turn within each round), all measured in this one run; each
-line prints its target. `run()` returns the figures as a dict and `report()` prints them: the cost
-chapter calls both with quick=True, so the book shows what its build machine measured. The HF
-comparison needs `transformers` (installed with the test requirements).
+line prints its target. `run()` returns the figures as a dict, with when, where and on which commit
+they were measured; `report()` prints them; `main()` also keeps them in the cache's bench.json,
+which the cost chapter shows (labelled stale once the checkout has moved on). The HF comparison
+needs `transformers` (installed with the test requirements).
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ from pathlib import Path
 
 import torch
 
-from . import NO_TRACE, Trace, generate, load_model
-from .cost import decode_bytes
-from .errors import LlmTraceError
-from .model import trace_shapes
-from .models import hf_reference
+from llmtrace import LlmTraceError, Trace, generate, load_model, trace_shapes
+from llmtrace.cache import atomic_path, cache_dir
+from llmtrace.cost import decode_bytes
+from llmtrace.memory import keep_freed_memory
+from llmtrace.trace import NO_TRACE
+
+from .reference import hf_reference
 
 PROMPT = "The capital of France is"
+ROOT = Path(__file__).resolve().parents[1]  # the checkout
 
 
 class Timings:
@@ -49,7 +53,15 @@ class Timings:
     def ratio(self, a, b) -> float:
         """Median over rounds of a's time / b's time within the same round: the machine's drift
         between rounds cancels out of it."""
-        return statistics.median(x / y for x, y in zip(self.times[a], self.times[b]))
+        return statistics.median(self.ratios(a, b))
+
+    def ratios(self, a, b) -> list[float]:
+        return [x / y for x, y in zip(self.times[a], self.times[b])]
+
+    def spread(self, a, b) -> list[float]:
+        """[min, median, max] of the per-round ratios: how far one round can stray."""
+        r = self.ratios(a, b)
+        return [min(r), statistics.median(r), max(r)]
 
 
 def interleaved(fns: dict, repeat: int, warmup: bool = True) -> Timings:
@@ -109,6 +121,8 @@ def bench_forward(model, hf, repeats: dict[int, int]) -> dict:
                   "hf_eager_s": r.seconds("hf"), "shapes_vs_off": r.ratio("shapes", "off"),
                   "values_vs_off": r.ratio("values", "off"), "values_vs_hf": r.ratio("values", "hf"),
                   "off_vs_hf": r.ratio("off", "hf"), "page_faults_off": r.page_faults("off"),
+                  "shapes_vs_off_spread": r.spread("shapes", "off"),
+                  "values_vs_hf_spread": r.spread("values", "hf"),
                   "page_faults_values": r.page_faults("values"), "trace_bytes": trace.nbytes(),
                   "trace_records": len(trace)}
     return out
@@ -143,7 +157,7 @@ def bench_decode(model, hfs, new_tokens, repeat) -> dict:
             hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                         pad_token_id=model.config.eos_id)
 
-    fns = {"ours": lambda: generate(model, ids, new_tokens, trace=False, stop_at_eos=False)}
+    fns = {"ours": lambda: generate(model, ids, new_tokens, keep_steps=False, stop_at_eos=False)}
     fns.update({attn: (lambda hf=hf: hf_generate(hf)) for attn, hf in hfs.items()})
     r = interleaved(fns, repeat)
     traced = median_time(lambda: generate(model, ids, new_tokens, stop_at_eos=False), max(1, repeat // 2))
@@ -152,6 +166,7 @@ def bench_decode(model, hfs, new_tokens, repeat) -> dict:
     for attn in hfs:
         out[f"hf_{attn}_tok_s"] = new_tokens / r.seconds(attn)
         out[f"ours_vs_hf_{attn}"] = r.ratio(attn, "ours")  # HF's time / ours = our speed / HF's
+        out[f"ours_vs_hf_{attn}_spread"] = r.spread(attn, "ours")
     return out
 
 
@@ -172,11 +187,13 @@ def bench_prefill(model, hfs, n, repeat) -> dict:
 
 
 def bench_cache(model, new_tokens) -> dict:
-    ids = prompt_ids(model, 6)
-    with_cache = generate(model, ids, new_tokens, trace=False, stop_at_eos=False)
-    without = generate(model, ids, new_tokens, trace=False, stop_at_eos=False, use_cache=False)
+    """The decode loop with and without the KV cache, on the prompt itself, as chapter 11 runs it."""
+    ids = model.encode(PROMPT)
+    with_cache = generate(model, ids, new_tokens, keep_steps=False, stop_at_eos=False)
+    without = generate(model, ids, new_tokens, keep_steps=False, stop_at_eos=False, use_cache=False)
     assert with_cache.new_ids == without.new_ids
-    return {"new_tokens": new_tokens, "positions_with_cache": with_cache.positions_processed,
+    return {"new_tokens": new_tokens, "prompt_tokens": ids.shape[1],
+            "positions_with_cache": with_cache.positions_processed,
             "positions_without_cache": without.positions_processed, "seconds_with_cache": with_cache.seconds,
             "seconds_without_cache": without.seconds,
             "positions_ratio": without.positions_processed / with_cache.positions_processed,
@@ -201,24 +218,55 @@ def memory_of_traced_run(model_spec: str) -> dict:
             "def rss():\n"
             "    f = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
             "    return [int(f[k].split()[0]) // 1024 for k in ('VmRSS', 'VmHWM')]\n"
-            "from llmtrace import load_model, Trace\n"
-            "from llmtrace.bench import prompt_ids\n"
+            "from llmtrace import load_model\n"
+            "from bench.bench import prompt_ids\n"
             f"m = load_model({model_spec!r}); a = rss()\n"
             "logits, trace = m.run('The capital of France is'); b = rss()\n"
-            "ids = prompt_ids(m, 256); t = []\n"
+            "del trace; ids = prompt_ids(m, 256); t = []\n"
             "for _ in range(2):\n"
-            "    start = time.perf_counter(); m.forward(ids, Trace()); t.append(time.perf_counter() - start)\n"
+            "    start = time.perf_counter(); m.run(ids); t.append(time.perf_counter() - start)\n"
             "print(*a, *b, *t)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT).stdout.split()
     rss_load, peak_load, rss_run, peak_run = map(int, out[:4])
     first, second = map(float, out[4:])
     return {"rss_after_load_mib": rss_load, "peak_after_load_mib": peak_load, "rss_after_traced_run_mib": rss_run,
             "peak_after_traced_run_mib": peak_run, "first_traced_256_s": first, "second_traced_256_s": second}
 
 
+def cpu_model() -> str:
+    """The processor's name as the kernel reports it ("AMD EPYC"), else the architecture."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit(root: Path = ROOT) -> tuple[str | None, bool]:
+    """(the checkout's commit, whether tracked files differ from it); (None, False) outside git."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+
+    head = git("rev-parse", "HEAD")
+    if head.returncode != 0:
+        return None, False
+    changes = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return head.stdout.strip(), bool(changes)
+
+
+def provenance() -> dict:
+    """When, on what and on which code the figures are measured."""
+    commit, dirty = git_commit()
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "commit": commit, "dirty": dirty}
+
+
 def run(model=None, quick: bool = False, threads: int | None = None) -> dict:
-    """Every figure of the benchmark, measured now. quick: fewer repeats and tokens (about a minute
-    and a half instead of five)."""
+    """Every figure of the benchmark, measured now. quick: fewer repeats and tokens (about two
+    minutes instead of seven)."""
     threads = os.cpu_count() if threads is None else threads
     if threads < 1:
         raise LlmTraceError(f"threads must be at least 1, got {threads}")
@@ -231,10 +279,9 @@ def run(model=None, quick: bool = False, threads: int | None = None) -> dict:
     c = model.config
     hfs = {attn: hf_reference(model, attn) for attn in ("eager", "sdpa")}
     started = time.perf_counter()
-    r = {"model": c.name, "threads": torch.get_num_threads(), "torch": torch.__version__,
-         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "quick": quick,
-         "date": time.strftime("%Y-%m-%d %H:%M")}
+    r = {"model": c.name, "threads": torch.get_num_threads(), "quick": quick, **provenance()}
     r["bandwidth_gb_s"] = memory_bandwidth() / 1e9
+    r["keep_freed_memory"] = keep_freed_memory()  # as Model.run does for traces that keep values
     r["forward"] = bench_forward(model, hfs["eager"], forward_repeats)
     r["decode"] = bench_decode(model, hfs, new_tokens, repeat)
     r["prefill"] = bench_prefill(model, hfs, 256, repeat)
@@ -257,14 +304,10 @@ def run(model=None, quick: bool = False, threads: int | None = None) -> dict:
 
 def default_path() -> Path:
     """Where `make bench` keeps its figures: bench.json in the cache (the checkout's .cache/)."""
-    from .cache import cache_dir
-
     return cache_dir() / "bench.json"
 
 
 def save(r: dict, path: Path) -> None:
-    from .cache import atomic_path
-
     with atomic_path(Path(path)) as tmp:
         tmp.write_text(json.dumps(r, indent=2))
 
@@ -275,63 +318,70 @@ def load(path: Path) -> dict:
     return r
 
 
-def latest(model=None) -> dict:
-    """The figures of the last `make bench` (or `make book`'s quick run) on this machine, if it
-    benchmarked this model; otherwise a quick run now, kept for next time."""
-    path = default_path()
-    name = model.config.name if model is not None else None
-    if path.is_file():
-        r = load(path)
-        if name in (None, r["model"]):
-            return r
-    r = run(model, quick=True)
-    save(r, path)
-    return r
-
-
 def report(r) -> str:
+    """The figures as text: each ratio with its target, its verdict and the spread of its rounds."""
     f6, f256, d, pf, b, kv, m, mem = (r["forward"][6], r["forward"][256], r["decode"], r["prefill"],
                                       r["decode_bound"], r["kv_cache"], r["meta"], r["memory"])
-    ok = lambda good: "ok" if good else "MISSED"  # noqa: E731
+
+    def ratio(label, value, target="", good=None, spread=None):
+        verdict = "" if good is None else ("ok" if good else "MISSED")
+        rounds = f"(rounds {spread[0]:.3f}-{spread[2]:.3f})" if spread else ""
+        return f"   {label:50}{value:6.3f}x   {target:9}{verdict:8}{rounds}".rstrip()
+
+    commit = f"commit {(r['commit'] or '?')[:12]}"
+    commit += " + uncommitted changes" if r["dirty"] else ""
     lines = [
-        f"llmtrace benchmark: {r['model']}, {r['threads']} threads, torch {r['torch']}, {r['cpus']} CPUs, "
-        f"{r['date']}{' (quick)' if r['quick'] else ''}",
+        f"llmtrace benchmark: {r['model']}, {r['threads']} threads, torch {r['torch']}, {r['cpu']} "
+        f"({r['cpus']} CPUs), {r['date']}{' (quick)' if r['quick'] else ''}, {commit}",
         "",
-        "1. trace overhead (forward pass, median)              measured     target",
+        "1. trace overhead (forward pass, median of rounds)        measured   target",
     ]
     for n, f in ((6, f6), (256, f256)):
         target = 1.2 if n == 6 else 1.1
+        faults = f"{f['page_faults_values']:,.0f} vs {f['page_faults_off']:,.0f} off"
         lines += [
-            f"   {n:>3} tokens: tracing off {f['off_s'] * 1e3:8.1f} ms; HF eager {f['hf_eager_s'] * 1e3:8.1f} ms",
-            f"      shapes only / off                               {f['shapes_vs_off']:6.3f}x    <= 1.05x  {ok(f['shapes_vs_off'] <= 1.05)}",
-            f"      every value / off                               {f['values_vs_off']:6.3f}x "
-            f"   (minor page faults per pass: {f['page_faults_values']:,.0f} vs {f['page_faults_off']:,.0f} off)",
-            f"      every value / HF plain forward                  {f['values_vs_hf']:6.3f}x    <= {target}x   {ok(f['values_vs_hf'] <= target)}",
-            f"      trace size: {f['trace_bytes'] / 2**20:8.1f} MiB in {f['trace_records']} records"
+            f"   {n} tokens: tracing off {f['off_s'] * 1e3:.1f} ms; "
+            f"HF eager {f['hf_eager_s'] * 1e3:.1f} ms",
+            ratio("shapes only / off", f["shapes_vs_off"], "<= 1.05x", f["shapes_vs_off"] <= 1.05,
+                  f["shapes_vs_off_spread"]),
+            ratio("every value / off", f["values_vs_off"]) + f"   (page faults per pass: {faults})",
+            ratio("every value / HF plain forward", f["values_vs_hf"], f"<= {target}x",
+                  f["values_vs_hf"] <= target, f["values_vs_hf_spread"]),
+            f"   trace size: {f['trace_bytes'] / 2**20:.1f} MiB in {f['trace_records']} records"
             + (" (TransformerLens's cache: about 520 MiB)" if n == 256 else ""),
         ]
     lines += [
-        f"   a fresh process: first traced pass over 256 tokens {mem['first_traced_256_s'] * 1e3:6.0f} ms "
-        f"(its memory comes from the kernel), second {mem['second_traced_256_s'] * 1e3:6.0f} ms",
+        f"   a fresh process: first traced pass over 256 tokens "
+        f"{mem['first_traced_256_s'] * 1e3:.0f} ms "
+        f"(its memory comes from the kernel), second {mem['second_traced_256_s'] * 1e3:.0f} ms",
         "",
-        f"2. greedy decode, {d['new_tokens']} new tokens (tokens/s)",
-        f"   llmtrace, untraced {d['ours_tok_s']:7.1f}; traced (every value) {d['ours_traced_tok_s']:7.1f}",
-        f"   HF generate eager  {d['hf_eager_tok_s']:7.1f}  ratio {d['ours_vs_hf_eager']:5.2f}    >= 1.0   {ok(d['ours_vs_hf_eager'] >= 1.0)}",
-        f"   HF generate sdpa   {d['hf_sdpa_tok_s']:7.1f}  ratio {d['ours_vs_hf_sdpa']:5.2f}    >= 1.0   {ok(d['ours_vs_hf_sdpa'] >= 1.0)}",
-        f"   prefill of {pf['tokens']} tokens: llmtrace {pf['ours_tok_s']:5.0f} tok/s, traced {pf['ours_traced_tok_s']:5.0f}; "
-        f"HF eager {pf['hf_eager_tok_s']:5.0f}; HF sdpa {pf['hf_sdpa_tok_s']:5.0f}",
+        f"2. greedy decode, {d['new_tokens']} new tokens: llmtrace {d['ours_tok_s']:.1f} tok/s "
+        "untraced, "
+        f"{d['ours_traced_tok_s']:.1f} traced (every value)",
+    ]
+    for attn in ("eager", "sdpa"):
+        lines.append(ratio(f"llmtrace / HF generate {attn} ({d[f'hf_{attn}_tok_s']:.1f} tok/s)",
+                           d[f"ours_vs_hf_{attn}"], ">= 1.0", d[f"ours_vs_hf_{attn}"] >= 1.0,
+                           d[f"ours_vs_hf_{attn}_spread"]))
+    lines += [
+        f"   prefill of {pf['tokens']} tokens: llmtrace {pf['ours_tok_s']:.0f} tok/s, traced "
+        f"{pf['ours_traced_tok_s']:.0f}; HF eager {pf['hf_eager_tok_s']:.0f}; "
+        f"HF sdpa {pf['hf_sdpa_tok_s']:.0f}",
         "",
         "3. against the memory-bandwidth limit",
-        f"   measured bandwidth (1 GiB streaming read)  {r['bandwidth_gb_s']:6.1f} GB/s",
-        f"   bytes per decode step: weights {b['weights_bytes'] / 1e6:6.1f} MB + KV cache {b['kv_bytes'] / 1e6:5.2f} MB "
-        f"(context {b['context']})",
-        f"   bound {b['bound_tok_s']:6.1f} tok/s; reached {d['ours_tok_s']:6.1f} = {b['fraction']:.0%}      >= 50%   {ok(b['fraction'] >= 0.5)}",
-        f"   the BLAS alone (F.linear on one token, every weight matrix in turn): {b['blas_ceiling_tok_s']:.1f} tok/s "
-        f"= {b['blas_gb_s']:.1f} GB/s of weights; with 1 thread {b['blas_ceiling_1_thread_tok_s']:.1f} tok/s",
+        f"   measured bandwidth (1 GiB streaming read): {r['bandwidth_gb_s']:.1f} GB/s",
+        f"   bytes per decode step: weights {b['weights_bytes'] / 1e6:.1f} MB + KV cache "
+        f"{b['kv_bytes'] / 1e6:.2f} MB (context {b['context']})",
+        f"   bound {b['bound_tok_s']:.1f} tok/s; decode reached {d['ours_tok_s']:.1f} = "
+        f"{b['fraction']:.0%}   target >= 50%   {'ok' if b['fraction'] >= 0.5 else 'MISSED'}",
+        f"   the BLAS alone (F.linear on one token, every weight matrix in turn): "
+        f"{b['blas_ceiling_tok_s']:.1f} tok/s = {b['blas_gb_s']:.1f} GB/s of weights; "
+        f"with 1 thread {b['blas_ceiling_1_thread_tok_s']:.1f} tok/s",
         f"   decode reaches {b['fraction_of_blas']:.0%} of the BLAS alone",
         "",
-        f"4. KV cache, {kv['new_tokens']} new tokens: positions {kv['positions_with_cache']} with vs "
-        f"{kv['positions_without_cache']} without ({kv['positions_ratio']:.1f}x); time {kv['seconds_with_cache']:.2f} s vs "
+        f"4. KV cache, {kv['new_tokens']} new tokens after {kv['prompt_tokens']} of prompt: positions "
+        f"{kv['positions_with_cache']:,} with vs {kv['positions_without_cache']:,} without "
+        f"({kv['positions_ratio']:.1f}x); time {kv['seconds_with_cache']:.2f} s vs "
         f"{kv['seconds_without_cache']:.2f} s ({kv['time_ratio']:.1f}x)",
         "",
         "5. shape-only tracing on the meta device (prefill of 6 tokens + 1 decode step)",
@@ -340,9 +390,9 @@ def report(r) -> str:
         lines.append(f"   {name:15} first call {t['first_s']:5.2f} s, then {t['warm_s']:5.2f} s")
     lines += [
         "",
-        f"6. memory (a fresh process): resident {mem['rss_after_load_mib']} MiB after loading the model "
-        f"(peak {mem['peak_after_load_mib']}), {mem['rss_after_traced_run_mib']} MiB after a fully "
-        f"traced run of the prompt (peak {mem['peak_after_traced_run_mib']})",
+        f"6. memory (a fresh process): resident {mem['rss_after_load_mib']} MiB after loading the "
+        f"model (peak {mem['peak_after_load_mib']}), {mem['rss_after_traced_run_mib']} MiB after a "
+        f"fully traced run of the prompt (peak {mem['peak_after_traced_run_mib']})",
         f"   the trace itself: {f6['trace_bytes'] / 2**20:.1f} MiB with every value at 6 tokens, "
         f"{f256['trace_bytes'] / 2**20:.0f} MiB at 256 tokens, 0 bytes with shapes only",
         f"\n(benchmark took {r['seconds']:.0f} s)",
@@ -350,13 +400,14 @@ def report(r) -> str:
     return "\n".join(lines)
 
 
-def main():
-    p = argparse.ArgumentParser(prog="python -m llmtrace.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer repeats and tokens (about 90 s instead of 300)")
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help="fewer repeats and tokens (about 2 min instead of 7)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads to pin (default: every CPU)")
     p.add_argument("--json", default=None, help="where to write the figures (default: bench.json in the cache, "
                    "which the book's cost chapter reads)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     try:
         r = run(quick=args.quick, threads=args.threads)
     except LlmTraceError as e:

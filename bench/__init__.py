@@ -1,0 +1,1 @@
+"""The benchmark (`make bench`) and the HF reference model the tests share with it."""

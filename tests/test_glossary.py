@@ -1,0 +1,43 @@
+"""The book's glossary of trace names against the names a trace records: neither can drift."""
+
+import re
+from pathlib import Path
+
+import torch
+
+from llmtrace import Trace, sample, trace_shapes
+
+GLOSSARY = Path(__file__).resolve().parents[1] / "book" / "glossary.md"
+
+
+def recorded_names() -> set[str]:
+    """Every name a forward pass and a top-k / top-p sampling step record, layer index as N."""
+    prefill, decode = trace_shapes("tinyllama-1.1b", 6, 1)
+    names = {re.sub(r"^layers\.\d+\.", "layers.N.", n) for n in prefill.names + decode.names}
+    step = Trace()
+    sample(torch.randn(100), 0.8, top_k=10, top_p=0.9, generator=torch.Generator(), trace=step)
+    return names | set(step.names)
+
+
+def glossary_names(known: set[str]) -> list[str]:
+    """The names in the first column of the glossary's table. A short name after the first one
+    (`k_proj` after `layers.N.attn.q_proj`) completes with a prefix of the first."""
+    names = []
+    for line in GLOSSARY.read_text().splitlines():
+        if not line.startswith("| `"):
+            continue
+        first, *short = re.findall(r"`([^`]+)`", line.split("|")[1])
+        names.append(first)
+        parts = first.split(".")
+        for s in short:
+            candidates = [".".join(parts[:i] + [s]) for i in range(len(parts))]
+            names.append(next((c for c in candidates if c in known), s))
+    return names
+
+
+def test_glossary_lists_every_recorded_name():
+    known = recorded_names()
+    listed = glossary_names(known)
+    assert len(listed) == len(set(listed))  # each name once
+    assert set(listed) - known == set()  # nothing the trace does not record
+    assert known - set(listed) == set()  # nothing the trace records left out
