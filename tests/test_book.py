@@ -42,10 +42,20 @@ def test_index_redirects_to_the_intro(built):
 def test_chapter_renders_title_table_and_figure(attention_dom):
     dom = attention_dom
     assert "<title>6. Attention" in dom
-    assert "Values on this page" in dom  # the banner
+    assert "Values:" in dom and "which model runs" in dom  # the one-line banner
     assert "layers.0.attn.scores" in dom and "[1, 32, 6, 6]" in dom  # TinyLlama's shape table
     assert '<img alt="_images/' in dom or 'src="../_images/' in dom  # a figure from the trace
     assert "Traceback" not in dom and "output stderr" not in dom and "Error" not in dom
+
+
+def test_the_map_renders_with_the_stage_lit(built):
+    """Each stage chapter shows the map of the machine, drawn from TinyLlama's trace, its own stage
+    lit: here RoPE's two records, with TinyLlama's shapes on the edges."""
+    dom = chromium("--dump-dom", (built / "notebooks" / "05_rope.html").as_uri())
+    svg = dom[dom.index("<svg"):]
+    svg = svg[: svg.index("</svg>")]
+    assert "attn.rope_q" in svg and "[1, 6, 32, 64]" in svg and "22 blocks" in svg
+    assert svg.count('fill="#ffd54f"') >= 3  # rope_q, rope_k, and the blocks in the whole pass
 
 
 def test_formulas_are_typeset_offline(built):
