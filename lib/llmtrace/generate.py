@@ -32,21 +32,23 @@ class Generation:
         return self.prompt_ids + self.new_ids
 
 
-def prefill(model, ids, cache, trace=NO_TRACE):
+def prefill(model, ids, cache, trace=NO_TRACE, patch=None):
     """All prompt positions in one pass; fills the cache. ids [1, T] -> logits [1, T, V]."""
-    return model.forward(ids, trace, cache, start=0)
+    return model.forward(ids, trace, cache, start=0, patch=patch)
 
 
-def decode_one_token(model, token: int, cache, trace=NO_TRACE):
+def decode_one_token(model, token: int, cache, trace=NO_TRACE, patch=None):
     """One new position, attending to everything in the cache. -> logits [1, 1, V]."""
     ids = torch.tensor([[token]])  # [1, 1]
-    return model.forward(ids, trace, cache, start=cache.length)
+    return model.forward(ids, trace, cache, start=cache.length, patch=patch)
 
 
 def generate(model, prompt, max_new_tokens: int = 20, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int = 0, use_cache: bool = True, trace: bool = True,
-             keep_values: bool = True, names=None, stop_at_eos: bool = True) -> Generation:
-    """prompt: text, or a list / [1, T] tensor of ids. Deterministic for a given seed."""
+             keep_values: bool = True, names=None, stop_at_eos: bool = True,
+             patch: dict | None = None) -> Generation:
+    """prompt: text, or a list / [1, T] tensor of ids. Deterministic for a given seed.
+    patch: {name or glob: fn} applied in every step's forward pass (see `Model.forward`)."""
     check_sampling(temperature, top_k, top_p)
     if max_new_tokens < 1:
         raise LlmTraceError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -63,13 +65,16 @@ def generate(model, prompt, max_new_tokens: int = 20, temperature: float = 0.0, 
         label = "prefill" if step == 0 else f"decode {step}"
         tr = Trace(keep_values, names, label) if trace else NO_TRACE
         if step == 0:
-            logits = prefill(model, ids, cache, tr) if use_cache else model.forward(ids, tr)
+            if use_cache:
+                logits = prefill(model, ids, cache, tr, patch)
+            else:
+                logits = model.forward(ids, tr, patch=patch)
             result.positions_processed += T
         elif use_cache:
-            logits = decode_one_token(model, result.new_ids[-1], cache, tr)
+            logits = decode_one_token(model, result.new_ids[-1], cache, tr, patch)
             result.positions_processed += 1
         else:  # recompute the whole sequence so far
-            logits = model.forward(torch.tensor([result.ids]), tr)
+            logits = model.forward(torch.tensor([result.ids]), tr, patch=patch)
             result.positions_processed += len(result.ids)
         last = logits[0, -1]  # [V]
         token = sample(last, temperature, top_k, top_p, generator, tr)
