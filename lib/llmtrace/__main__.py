@@ -27,6 +27,9 @@ def parse_args(argv):
     p.add_argument("--shapes-only", action="store_true",
                    help="trace TinyLlama-1.1B's shapes on the meta device, no weights needed "
                         "(--model may name another preset: llama-2-7b, llama-2-70b, smollm2-135m)")
+    p.add_argument("--lens", action="store_true",
+                   help="instead of the trace table, the logit lens: the top token after every "
+                        "layer at every position, and the greedy token's p at the last position")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return p.parse_args(argv)
 
@@ -39,6 +42,8 @@ def check_args(args) -> None:
     if args.max_new_tokens < 1:
         raise LlmTraceError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     check_sampling(args.temperature, args.top_k, args.top_p)
+    if args.lens and args.shapes_only:
+        raise LlmTraceError("--lens needs values and --shapes-only has none: drop one of the two")
     if args.shapes_only:
         shapes_config(args.model)
     elif args.model is not None:
@@ -91,13 +96,46 @@ def run_live(args) -> dict:
 
     model = load_model(args.model)
     g = generate(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-                 keep_values=False)  # the CLI prints shapes, not values
+                 keep_values=args.lens, names="layers.*.resid_out")  # values only for the lens
     tok = model.tokenizer
-    return {"model": model.name, "source": model.source, "config": model.config.to_dict(),
+    out = {"model": model.name, "source": model.source, "config": model.config.to_dict(),
             "input_ids": g.prompt_ids, "input_pieces": [display_piece(tok, i) for i in g.prompt_ids],
             "trace": g.steps[0], "generation": g,
             "top10": top_candidates(tok, g.step_logits[0]),
             "new_pieces": [display_piece(tok, i) for i in g.new_ids]}
+    if args.lens:
+        greedy = int(g.step_logits[0].argmax())  # the first new token under greedy decoding
+        out["lens"] = lens_report(model, g.steps[0], greedy)
+    return out
+
+
+def lens_report(model, trace, greedy: int) -> dict:
+    """The logit lens over every layer and position, and the greedy token's p at the last one."""
+    from .lens import lens_grid
+    from .tokenize import display_piece
+
+    tok = model.tokenizer
+    grid = lens_grid(model, trace, greedy)
+    p_greedy = grid.token_probs[:, -1]  # [L]
+    return {"top_ids": grid.top_ids.tolist(),
+            "top_pieces": [[display_piece(tok, int(i)) for i in row] for row in grid.top_ids],
+            "top_probs": [[round(float(p), 4) for p in row] for row in grid.top_probs],
+            "greedy_id": greedy, "greedy_piece": display_piece(tok, greedy),
+            "greedy_probs": [round(float(p), 4) for p in p_greedy]}
+
+
+def lens_text(lens: dict, pieces: list[str], width: int = 12) -> str:
+    """Rows: layers; columns: positions; each cell the top token, then p of the greedy token."""
+    def cell(piece):
+        text = repr(piece)
+        return text if len(text) <= width else text[: width - 1] + "…"
+
+    header = ["layer"] + [cell(p) for p in pieces] + [f"p({lens['greedy_piece']!r})"]
+    rows = [[str(i)] + [cell(p) for p in row] + [f"{lens['greedy_probs'][i]:.4f}"]
+            for i, row in enumerate(lens["top_pieces"])]
+    widths = [max(len(r[j]) for r in [header] + rows) for j in range(len(header))]
+    lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in [header] + rows]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -124,8 +162,13 @@ def main(argv=None) -> int:
           f"heads {c['n_heads']}/{c['n_kv_heads']}, vocab {c['vocab_size']}")
     print("input: " + " ".join(f"{i}:{p!r}" for i, p in zip(out["input_ids"], out["input_pieces"])))
     print()
-    print(trace.table(layers=None if args.all_layers else args.layers))
-    print(f"\ntotal multiply-adds: {trace.total_macs:,}")
+    if "lens" in out:
+        print("logit lens: the top token after each layer (rows) at each position (columns);")
+        print("last column: p of the greedy token at the last position")
+        print(lens_text(out["lens"], out["input_pieces"]))
+    else:
+        print(trace.table(layers=None if args.all_layers else args.layers))
+        print(f"\ntotal multiply-adds: {trace.total_macs:,}")
     if decode is not None:
         print("\nprefill vs the first decode step (layer 0; the cache already holds the prompt):")
         print(trace.compare(decode, "layers.0.*"))
