@@ -34,6 +34,9 @@ def parse_args(argv):
     p.add_argument("--shapes-only", action="store_true",
                    help="trace TinyLlama-1.1B's shapes on the meta device, no weights needed "
                         "(--model may name another preset: llama-2-7b, llama-2-70b, smollm2-135m)")
+    p.add_argument("--lens", action="store_true",
+                   help="instead of the trace table, the logit lens: the top token after every "
+                        "layer at every position, and the greedy token's p at the last position")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return p.parse_args(argv)
 
@@ -59,6 +62,8 @@ def check_args(args) -> None:
         raise LlmTraceError(f"--model {args.model!r} is empty: use one of auto, embedded, "
                             f"tinyllama, a Hugging Face model directory or a .gguf file "
                             f"(or leave --model out)")
+    if args.lens and args.shapes_only:
+        raise LlmTraceError("--lens needs values and --shapes-only has none: drop one of the two")
     if args.shapes_only:
         shapes_config(args.model)
     else:
@@ -113,13 +118,47 @@ def run_live(args) -> dict:
     model = load_model(args.model)
     # the CLI prints the prefill's shapes and logits: no values, no later steps (flat memory)
     g = generate(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-                 keep_values=False, first_step_only=True)
+                 keep_values=args.lens, names="layers.*.resid_out",  # values only for the lens
+                 first_step_only=True)
     tok = model.tokenizer
-    return {"model": model.name, "source": model.source, "config": model.config.to_dict(),
+    out = {"model": model.name, "source": model.source, "config": model.config.to_dict(),
             "input_ids": g.prompt_ids, "input_pieces": [display_piece(tok, i) for i in g.prompt_ids],
             "trace": g.steps[0], "generation": g,
             "top10": top_candidates(tok, g.step_logits[0]),
             "new_pieces": [display_piece(tok, i) for i in g.new_ids]}
+    if args.lens:
+        greedy = int(g.step_logits[0].argmax())  # the first new token under greedy decoding
+        out["lens"] = lens_report(model, g.steps[0], greedy)
+    return out
+
+
+def lens_report(model, trace, greedy: int) -> dict:
+    """The logit lens over every layer and position, and the greedy token's p at the last one."""
+    from .lens import lens_grid
+    from .tokenize import display_piece
+
+    tok = model.tokenizer
+    grid = lens_grid(model, trace, greedy)
+    p_greedy = grid.token_probs[:, -1]  # [L]
+    return {"top_ids": grid.top_ids.tolist(),
+            "top_pieces": [[display_piece(tok, int(i)) for i in row] for row in grid.top_ids],
+            "top_probs": [[round(float(p), 4) for p in row] for row in grid.top_probs],
+            "greedy_id": greedy, "greedy_piece": display_piece(tok, greedy),
+            "greedy_probs": [round(float(p), 4) for p in p_greedy]}
+
+
+def lens_text(lens: dict, pieces: list[str], width: int = 12) -> str:
+    """Rows: layers; columns: positions; each cell the top token, then p of the greedy token."""
+    def cell(piece):
+        text = repr(piece)
+        return text if len(text) <= width else text[: width - 1] + "…"
+
+    header = ["layer"] + [cell(p) for p in pieces] + [f"p({lens['greedy_piece']!r})"]
+    rows = [[str(i)] + [cell(p) for p in row] + [f"{lens['greedy_probs'][i]:.4f}"]
+            for i, row in enumerate(lens["top_pieces"])]
+    widths = [max(len(r[j]) for r in [header] + rows) for j in range(len(header))]
+    lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in [header] + rows]
+    return "\n".join(lines)
 
 
 def safe(text: str) -> str:
@@ -146,13 +185,18 @@ def render(args, out: dict) -> str:
             raise LlmTraceError("the output holds a number that is not finite, which JSON cannot "
                                 "write: run without --json to see where") from None
     c = out["config"]
-    pieces = zip(out["input_ids"], out["input_pieces"])
+    pieces = list(zip(out["input_ids"], out["input_pieces"]))
     lines = [safe(f"model: {out['model']} ({out['source']}): {c['n_layers']} layers, "
                   f"hidden {c['hidden_size']}, heads {c['n_heads']}/{c['n_kv_heads']}, "
                   f"vocab {c['vocab_size']}"),
-             "input: " + " ".join(f"{i}:{p!r}" for i, p in pieces),
-             "", trace.table(layers=None if args.all_layers else args.layers),
-             f"\ntotal multiply-adds: {trace.total_macs:,}"]
+             "input: " + " ".join(f"{i}:{p!r}" for i, p in pieces), ""]
+    if "lens" in out:
+        lines += ["logit lens: the top token after each layer (rows) at each position (columns);",
+                  "last column: p of the greedy token at the last position",
+                  lens_text(out["lens"], out["input_pieces"])]
+    else:
+        lines += [trace.table(layers=None if args.all_layers else args.layers),
+                  f"\ntotal multiply-adds: {trace.total_macs:,}"]
     if decode is not None:
         lines += ["\nprefill vs the first decode step (layer 0; the cache already holds the "
                   "prompt):", trace.compare(decode, "layers.0.*")]

@@ -38,10 +38,10 @@ def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0):
     T, S, d = q.shape[-2], k.shape[-2], q.shape[-1]
     lead = math.prod(q.shape[:-2])  # batch x heads
     scores = q @ k.transpose(-2, -1) / math.sqrt(d)  # [B, H, T, S]  [1, 32, 6, 6]
-    trace.record(f"{name}.scores", f"q @ k^T / sqrt({d})", scores, lead * T * S * d)
+    scores = trace.record(f"{name}.scores", f"q @ k^T / sqrt({d})", scores, lead * T * S * d)
     if mask is not None:
-        trace.record(f"{name}.causal_mask", f"0 where key <= query position, -inf after ({start} cached)",
-                     mask)  # [T, S]  [6, 6]
+        what = f"0 where key <= query position, -inf after ({start} cached)"
+        mask = trace.record(f"{name}.causal_mask", what, mask)  # [T, S]  [6, 6]
         scores = trace.record(f"{name}.masked_scores", "scores + causal_mask", scores + mask)  # [B, H, T, S]
     weights = trace.record(f"{name}.weights", "softmax over keys (rows sum to 1)",
                            F.softmax(scores, dim=-1))  # [B, H, T, S]  [1, 32, 6, 6]
@@ -72,8 +72,9 @@ def attention(x, w, config, cos, sin, mask, cache, layer, start, trace=NO_TRACE,
     else:  # no cache: this pass computed every position itself
         k_all, v_all, where = k, v, f"no cache: this pass's {T} positions"
     S = k_all.shape[1]
-    trace.record(f"{name}.kv_cache.k", f"K cache: {where}", k_all)
-    trace.record(f"{name}.kv_cache.v", f"V cache: {where}", v_all)
+    # what this pass reads flows on (a patch here changes the read, not what the cache stores)
+    k_all = trace.record(f"{name}.kv_cache.k", f"K cache: {where}", k_all)
+    v_all = trace.record(f"{name}.kv_cache.v", f"V cache: {where}", v_all)
 
     # Heads first, then GQA: repeat each KV head for the query heads that share it.
     q = q.transpose(1, 2)  # [B, H, T, hd]  [1, 32, 6, 64]
@@ -85,6 +86,6 @@ def attention(x, w, config, cos, sin, mask, cache, layer, start, trace=NO_TRACE,
     out = attend(q, k_exp, v_exp, mask, trace, name, start)  # [B, H, T, hd]  [1, 32, 6, 64]
 
     out = out.transpose(1, 2).reshape(B, T, H * hd)  # [B, T, H*hd]  [1, 6, 2048]
-    trace.record(f"{name}.merged", "heads back side by side", out)
+    out = trace.record(f"{name}.merged", "heads back side by side", out)
     out = F.linear(out, w.o_proj)  # [B, T, D]  [1, 6, 2048]
     return trace.record(f"{name}.out", "merged @ W_o^T", out, B * T * H * hd * D)

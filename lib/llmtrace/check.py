@@ -138,7 +138,7 @@ def first_not_finite(trace) -> str | None:
     return None
 
 
-def check_finite(model, ids, logits: torch.Tensor, trace=None) -> None:
+def check_finite(model, ids, logits: torch.Tensor, trace=None, patch=None) -> None:
     """Logits with NaN or inf must never be sampled from or printed. When they are, find the first
     operation whose output is not finite: from the trace if it kept every value, else from a
     fresh pass over the same ids that keeps them."""
@@ -148,12 +148,12 @@ def check_finite(model, ids, logits: torch.Tensor, trace=None) -> None:
         return
     from .trace import Trace
 
-    traced = trace is not None and getattr(trace, "enabled", False)
+    traced = isinstance(trace, Trace) and trace.keep_values
     where = first_not_finite(trace) if traced else None
     if where is None:
         full = Trace(keep_values=True, label="finite check")
         with torch.inference_mode():
-            model.forward(torch.as_tensor(ids).reshape(1, -1), full)  # [1, T]
+            model.forward(torch.as_tensor(ids).reshape(1, -1), full, patch=patch)  # [1, T]
         where = first_not_finite(full) or "lm_head"
     c = model.config
     raise LlmTraceError(f"{model.name}: the output of {where} is not finite (NaN or inf), so the "

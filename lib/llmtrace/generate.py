@@ -33,26 +33,28 @@ class Generation:
         return self.prompt_ids + self.new_ids
 
 
-def prefill(model, ids, cache, trace=NO_TRACE):
+def prefill(model, ids, cache, trace=NO_TRACE, patch=None):
     """All prompt positions in one pass; fills the cache. ids [1, T] -> logits [1, T, V]."""
-    return model.forward(ids, trace, cache, start=0)
+    return model.forward(ids, trace, cache, start=0, patch=patch)
 
 
-def decode_one_token(model, token: int, cache, trace=NO_TRACE):
+def decode_one_token(model, token: int, cache, trace=NO_TRACE, patch=None):
     """One new position, attending to everything in the cache. -> logits [1, 1, V]."""
     ids = torch.tensor([[token]])  # [1, 1]
-    return model.forward(ids, trace, cache, start=cache.length)
+    return model.forward(ids, trace, cache, start=cache.length, patch=patch)
 
 
 def generate(model, prompt, max_new_tokens: int = 20, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              use_cache: bool = True, keep_steps: bool = True, keep_values: bool = True, names=None,
-             stop_at_eos: bool = True, first_step_only: bool = False) -> Generation:
+             stop_at_eos: bool = True, first_step_only: bool = False,
+             patch: dict | None = None) -> Generation:
     """prompt: text, or a list / [1, T] tensor of ids. Deterministic for a given seed.
     keep_steps: one Trace per step in `steps` ("prefill", "decode 1", ...), else none at all
     (`keep_values` and `names` then choose what each step's trace keeps).
     first_step_only: keep the trace and logits of the prefill alone (memory flat in the number of
-    new tokens), as the CLI does: it prints no more."""
+    new tokens), as the CLI does: it prints no more.
+    patch: {name or glob: fn} applied in every step's forward pass (see `Model.forward`)."""
     check_sampling(temperature, top_k, top_p, seed)
     if check_int("max_new_tokens", max_new_tokens) < 1:
         raise LlmTraceError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -79,7 +81,7 @@ def generate(model, prompt, max_new_tokens: int = 20, temperature: float = 0.0,
     def sample_next(logits, trace, step: int) -> int:
         """Sample from the last position's logits [V] and keep the step."""
         last = logits[0, -1]  # [V]
-        check_finite(model, result.ids, last, trace)
+        check_finite(model, result.ids, last, trace, patch)
         token = sample(last, temperature, top_k, top_p, generator, trace)
         result.new_ids.append(token)
         if kept(step):
@@ -92,9 +94,9 @@ def generate(model, prompt, max_new_tokens: int = 20, temperature: float = 0.0,
     # Prefill: every prompt position in one pass, filling the cache.
     trace = new_trace(0)
     if use_cache:
-        logits = prefill(model, ids, cache, trace)  # [1, T, V]
+        logits = prefill(model, ids, cache, trace, patch)  # [1, T, V]
     else:
-        logits = model.forward(ids, trace)  # [1, T, V]
+        logits = model.forward(ids, trace, patch=patch)  # [1, T, V]
     result.positions_processed = T
     token = sample_next(logits, trace, 0)
 
@@ -104,10 +106,10 @@ def generate(model, prompt, max_new_tokens: int = 20, temperature: float = 0.0,
             break
         trace = new_trace(step)
         if use_cache:
-            logits = decode_one_token(model, token, cache, trace)  # [1, 1, V]
+            logits = decode_one_token(model, token, cache, trace, patch)  # [1, 1, V]
             result.positions_processed += 1
         else:  # no cache: recompute the whole sequence so far
-            logits = model.forward(torch.tensor([result.ids]), trace)  # [1, T + step, V]
+            logits = model.forward(torch.tensor([result.ids]), trace, patch=patch)  # [1, T + step, V]
             result.positions_processed += len(result.ids)
         token = sample_next(logits, trace, step)
     if stop_at_eos and token == model.config.eos_id:

@@ -4,6 +4,8 @@ Apply the final norm and the LM head (the model's own functions and weights) to 
 stream after each layer, at one position. The last layer's lens is the model's real output.
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -17,3 +19,27 @@ def logit_lens(model, trace, position: int = -1) -> torch.Tensor:
     resid = torch.stack([trace[f"layers.{i}.resid_out"][0, position] for i in range(c.n_layers)])  # [L, D]
     logits = F.linear(rms_norm(resid, w.final_norm, c.norm_eps), w.lm_head)  # [L, V]
     return logits.softmax(-1)
+
+
+class LensGrid(NamedTuple):
+    top_ids: torch.Tensor  # [L, T]: the most likely token after layer l at position t
+    top_probs: torch.Tensor  # [L, T]: its probability
+    token_probs: torch.Tensor | None  # [L, T]: the probability of one chosen token, if asked
+
+
+@torch.inference_mode()
+def lens_grid(model, trace, token: int | None = None) -> LensGrid:
+    """The logit lens at every layer and every position, from `layers.N.resid_out` of a trace
+    with values. One layer at a time, so a long prompt never holds [L, T, V] probabilities."""
+    w, c = model.weights, model.config
+    top_ids, top_probs, token_probs = [], [], []
+    for i in range(c.n_layers):
+        resid = trace[f"layers.{i}.resid_out"][0]  # [T, D]
+        probs = F.linear(rms_norm(resid, w.final_norm, c.norm_eps), w.lm_head).softmax(-1)  # [T, V]
+        p, ids = probs.max(-1)  # [T] each
+        top_ids.append(ids)
+        top_probs.append(p)
+        if token is not None:
+            token_probs.append(probs[:, token])  # [T]
+    return LensGrid(torch.stack(top_ids), torch.stack(top_probs),
+                    torch.stack(token_probs) if token is not None else None)

@@ -22,7 +22,7 @@ from .kv_cache import KVCache
 from .mlp import swiglu
 from .norm import rms_norm
 from .rope import rope_cos_sin
-from .trace import NO_TRACE, Trace
+from .trace import NO_TRACE, Patched, Trace
 
 
 @dataclass
@@ -93,9 +93,16 @@ class Model:
         return KVCache(c.n_layers, max_len, c.n_kv_heads, c.head_dim, batch, self.device, self.weights.embed.dtype)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, trace=NO_TRACE, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, trace=NO_TRACE, cache: KVCache | None = None,
+                start: int = 0, patch: dict | None = None) -> torch.Tensor:
         """ids [B, T] at positions start..start+T-1 -> logits [B, T, V]. With a cache, K and V of
-        positions before `start` are read from it; without one, `start` must be 0."""
+        positions before `start` are read from it; without one, `start` must be 0.
+        patch: {name or glob: fn} changes those operations' outputs as they flow on (`Patched`)."""
+        if patch:
+            patched = Patched(patch, trace)
+            logits = self.forward(ids, patched, cache, start)  # [B, T, V]
+            patched.check_all_matched()
+            return logits
         c, w = self.config, self.weights
         B, T = ids.shape
         if start + T > c.max_positions:
@@ -136,8 +143,9 @@ class Model:
         return torch.tensor([self.tokenizer.encode(prompt, bos=bos)])  # [1, T]
 
     def run(self, prompt: str | torch.Tensor, keep_values: bool = True, names=None,
-            keep_freed_memory: bool = True) -> tuple[torch.Tensor, Trace]:
+            keep_freed_memory: bool = True, patch: dict | None = None) -> tuple[torch.Tensor, Trace]:
         """One traced forward pass over the prompt (a string or ids [1, T]): (logits, trace).
+        patch: {name or glob: fn}, see `forward`; the trace records what flowed on.
 
         keep_freed_memory: when the trace keeps values, first ask glibc, once per process, to keep
         the memory a dropped trace frees (`memory.keep_freed_memory`), so the next traced pass
@@ -151,8 +159,8 @@ class Model:
             memory.keep_freed_memory()
         trace = Trace(keep_values=keep_values, names=names, label="prefill")
         cache = self.new_cache(ids.shape[1])
-        logits = self.forward(ids, trace, cache)  # [1, T, V]
-        check_finite(self, ids, logits, trace)
+        logits = self.forward(ids, trace, cache, patch=patch)  # [1, T, V]
+        check_finite(self, ids, logits, trace, patch)
         return logits, trace
 
     def __repr__(self) -> str:

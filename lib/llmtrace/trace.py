@@ -5,12 +5,19 @@ back. Names say where and what, following the module tree: `layers.3.attn.scores
 keeps the tensor itself (no copy: it is the very tensor the next op reads) unless the trace was
 asked for shapes only or for a subset of names. With tracing off, `NO_TRACE.record` just returns
 the tensor.
+
+A patch changes a named tensor as it flows: `Patched` wraps a trace (or `NO_TRACE`), hands each
+matching operation's output to the patch function, and passes on (and records) what it returns.
+The model wraps its trace only when a patch is given, so `record` itself never looks for one.
 """
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import functools
+import inspect
+import re
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -167,6 +174,85 @@ class _NoTrace:
 
 
 NO_TRACE = _NoTrace()
+
+
+class Patched:
+    """A trace that changes named tensors as they flow on: `{name_or_glob: fn}`.
+
+    `fn(tensor)` or `fn(tensor, name)` receives the output of each operation whose name matches,
+    and returns the tensor that flows on to the next operation (same shape); the wrapped trace
+    records what flowed on, its op marked "[patched]". Return a new tensor: changing one in place
+    also changes the records that share its memory (`q` is a view of `q_proj`; every layer reads the
+    same `causal_mask`). After the pass, `check_all_matched` refuses a name that matched nothing.
+    """
+
+    def __init__(self, patch: dict, trace=NO_TRACE):
+        if not isinstance(patch, dict) or not all(isinstance(k, str) and callable(f)
+                                                  for k, f in patch.items()):
+            raise LlmTraceError("patch must be a dict {name or glob: function}, e.g. "
+                                "{'layers.3.resid_out': lambda t: t * 0}")
+        self.trace = trace
+        self.keep_values = trace.keep_values
+        self._fns = {name: (fn, _takes_name(fn)) for name, fn in patch.items()}
+        self._exact = {n for n in patch if not _is_glob(n)}
+        self._globs = [(re.compile(fnmatch.translate(g)), g) for g in patch if _is_glob(g)]
+        self._matched: set[str] = set()
+        self._seen: list[str] = []
+
+    def _key(self, name: str) -> str | None:
+        if name in self._exact:
+            return name
+        return next((g for pattern, g in self._globs if pattern.match(name)), None)
+
+    def record(self, name: str, op: str, tensor: torch.Tensor, macs: int = 0) -> torch.Tensor:
+        self._seen.append(name)
+        key = self._key(name)
+        if key is not None:
+            fn, takes_name = self._fns[key]
+            out = fn(tensor, name) if takes_name else fn(tensor)
+            if not isinstance(out, torch.Tensor) or out.shape != tensor.shape:
+                got = _fmt_shape(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise LlmTraceError(f"the patch for {name!r} returned {got}, not a tensor of the "
+                                    f"op's shape {_fmt_shape(tensor.shape)}: return what flows on")
+            self._matched.add(key)
+            tensor, op = out, f"{op} [patched]"
+        return self.trace.record(name, op, tensor, macs)
+
+    def check_all_matched(self) -> None:
+        """After a pass: every name or glob of the patch must have matched an operation."""
+        missed = [k for k in self._fns if k not in self._matched]
+        if not missed:
+            return
+        # the names this pass recorded, and the same with any layer number as a glob
+        globbed = [re.sub(r"^layers\.\d+\.", "layers.*.", n) for n in self._seen]
+        known = list(dict.fromkeys(self._seen + globbed))
+        layers = {int(m[1]) for n in self._seen if (m := re.match(r"layers\.(\d+)\.", n))}
+        hints = []
+        for k in missed:
+            notes = []
+            if layers and (m := re.match(r"layers\.(\d+)\.", k)) and int(m[1]) not in layers:
+                notes.append(f"this model's layers are 0..{max(layers)}")
+            close = difflib.get_close_matches(k, known, n=3, cutoff=0.6)
+            if close:
+                notes.append(f"close: {', '.join(close)}")
+            hints.append(f"{k!r}" + (f" ({'; '.join(notes)})" if notes else ""))
+        raise LlmTraceError(f"patch names matching no operation of the forward pass: "
+                            f"{'; '.join(hints)}: use the trace's names (model.run(...)[1].names)")
+
+
+def _is_glob(name: str) -> bool:
+    return any(ch in name for ch in "*?[")
+
+
+def _takes_name(fn) -> bool:
+    """True when fn requires a second positional argument: `fn(tensor, name)`."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature get the tensor only
+        return False
+    required = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                and p.default is p.empty]
+    return len(required) >= 2
 
 
 @functools.cache
