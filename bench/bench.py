@@ -117,9 +117,11 @@ def bench_forward(model, hf, repeats: dict[int, int]) -> dict:
                          "hf": hf_forward}, repeat)
         trace = Trace()
         model.forward(ids, trace)
-        out[n] = {"off_s": r.seconds("off"), "shapes_s": r.seconds("shapes"), "values_s": r.seconds("values"),
+        out[n] = {"off_s": r.seconds("off"), "shapes_s": r.seconds("shapes"),
+                  "values_s": r.seconds("values"),
                   "hf_eager_s": r.seconds("hf"), "shapes_vs_off": r.ratio("shapes", "off"),
-                  "values_vs_off": r.ratio("values", "off"), "values_vs_hf": r.ratio("values", "hf"),
+                  "values_vs_off": r.ratio("values", "off"),
+                  "values_vs_hf": r.ratio("values", "hf"),
                   "off_vs_hf": r.ratio("off", "hf"), "page_faults_off": r.page_faults("off"),
                   "shapes_vs_off_spread": r.spread("shapes", "off"),
                   "values_vs_hf_spread": r.spread("values", "hf"),
@@ -133,7 +135,8 @@ def blas_decode_ceiling(model, repeat, threads: int) -> float:
     one token for every weight matrix of the model, in order, on `threads` threads. The BLAS's own
     limit on this machine."""
     w = model.weights
-    mats = [m for lw in w.layers for m in (lw.q_proj, lw.k_proj, lw.v_proj, lw.o_proj, lw.gate, lw.up, lw.down)]
+    mats = [m for lw in w.layers
+            for m in (lw.q_proj, lw.k_proj, lw.v_proj, lw.o_proj, lw.gate, lw.up, lw.down)]
     mats.append(w.lm_head)
     x = {m.shape[1]: torch.randn(1, 1, m.shape[1]) for m in mats}
 
@@ -160,7 +163,8 @@ def bench_decode(model, hfs, new_tokens, repeat) -> dict:
     fns = {"ours": lambda: generate(model, ids, new_tokens, keep_steps=False, stop_at_eos=False)}
     fns.update({attn: (lambda hf=hf: hf_generate(hf)) for attn, hf in hfs.items()})
     r = interleaved(fns, repeat)
-    traced = median_time(lambda: generate(model, ids, new_tokens, stop_at_eos=False), max(1, repeat // 2))
+    traced = median_time(lambda: generate(model, ids, new_tokens, stop_at_eos=False),
+                         max(1, repeat // 2))
     out = {"new_tokens": new_tokens, "ours_tok_s": new_tokens / r.seconds("ours"),
            "ours_traced_tok_s": new_tokens / traced}
     for attn in hfs:
@@ -181,20 +185,23 @@ def bench_prefill(model, hfs, n, repeat) -> dict:
            "traced": lambda: model.forward(ids, Trace(), model.new_cache(n))}
     fns.update({attn: (lambda hf=hf: hf_forward(hf)) for attn, hf in hfs.items()})
     r = interleaved(fns, repeat)
-    out = {"tokens": n, "ours_tok_s": n / r.seconds("ours"), "ours_traced_tok_s": n / r.seconds("traced")}
+    out = {"tokens": n, "ours_tok_s": n / r.seconds("ours"),
+           "ours_traced_tok_s": n / r.seconds("traced")}
     out.update({f"hf_{attn}_tok_s": n / r.seconds(attn) for attn in hfs})
     return out
 
 
 def bench_cache(model, new_tokens) -> dict:
-    """The decode loop with and without the KV cache, on the prompt itself, as chapter 11 runs it."""
+    """The decode loop with and without the KV cache, on the prompt itself, as chapter 11
+    runs it."""
     ids = model.encode(PROMPT)
     with_cache = generate(model, ids, new_tokens, keep_steps=False, stop_at_eos=False)
     without = generate(model, ids, new_tokens, keep_steps=False, stop_at_eos=False, use_cache=False)
     assert with_cache.new_ids == without.new_ids
     return {"new_tokens": new_tokens, "prompt_tokens": ids.shape[1],
             "positions_with_cache": with_cache.positions_processed,
-            "positions_without_cache": without.positions_processed, "seconds_with_cache": with_cache.seconds,
+            "positions_without_cache": without.positions_processed,
+            "seconds_with_cache": with_cache.seconds,
             "seconds_without_cache": without.seconds,
             "positions_ratio": without.positions_processed / with_cache.positions_processed,
             "time_ratio": without.seconds / with_cache.seconds}
@@ -206,7 +213,8 @@ def bench_meta() -> dict:
         start = time.perf_counter()
         trace_shapes(name, 6, 1)
         first = time.perf_counter() - start
-        out[name] = {"first_s": first, "warm_s": median_time(lambda: trace_shapes(name, 6, 1), 3, warmup=False)}
+        out[name] = {"first_s": first,
+                     "warm_s": median_time(lambda: trace_shapes(name, 6, 1), 3, warmup=False)}
     return out
 
 
@@ -230,8 +238,9 @@ def memory_of_traced_run(model_spec: str) -> dict:
                          cwd=ROOT).stdout.split()
     rss_load, peak_load, rss_run, peak_run = map(int, out[:4])
     first, second = map(float, out[4:])
-    return {"rss_after_load_mib": rss_load, "peak_after_load_mib": peak_load, "rss_after_traced_run_mib": rss_run,
-            "peak_after_traced_run_mib": peak_run, "first_traced_256_s": first, "second_traced_256_s": second}
+    return {"rss_after_load_mib": rss_load, "peak_after_load_mib": peak_load,
+            "rss_after_traced_run_mib": rss_run, "peak_after_traced_run_mib": peak_run,
+            "first_traced_256_s": first, "second_traced_256_s": second}
 
 
 def cpu_model() -> str:
@@ -271,8 +280,8 @@ def run(model=None, quick: bool = False, threads: int | None = None) -> dict:
     if threads < 1:
         raise LlmTraceError(f"threads must be at least 1, got {threads}")
     torch.set_num_threads(threads)
-    # repeats, new tokens for decode, new tokens for the KV-cache comparison; the forward passes, whose
-    # ratios carry the tightest targets, get more rounds (the 6-token one is short and noisy)
+    # repeats, new tokens for decode, new tokens for the KV-cache comparison; the forward passes,
+    # whose ratios carry the tightest targets, get more rounds (the 6-token one is short and noisy)
     repeat, new_tokens, kv_tokens = (3, 16, 30) if quick else (7, 50, 100)
     forward_repeats = {6: 30, 256: 7} if quick else {6: 40, 256: 9}
     model = model or load_model(os.environ.get("LLMTRACE_MODEL", "embedded"))
@@ -287,8 +296,9 @@ def run(model=None, quick: bool = False, threads: int | None = None) -> dict:
     r["prefill"] = bench_prefill(model, hfs, 256, repeat)
     context = 6 + new_tokens // 2  # the average cache length over the decode run
     need = decode_bytes(c, context)
-    b = {"bytes_per_step": need["total"], "weights_bytes": need["weights"], "kv_bytes": need["kv_cache"],
-         "context": context, "bound_tok_s": r["bandwidth_gb_s"] * 1e9 / need["total"],
+    b = {"bytes_per_step": need["total"], "weights_bytes": need["weights"],
+         "kv_bytes": need["kv_cache"], "context": context,
+         "bound_tok_s": r["bandwidth_gb_s"] * 1e9 / need["total"],
          "blas_ceiling_tok_s": blas_decode_ceiling(model, repeat, r["threads"]),
          "blas_ceiling_1_thread_tok_s": blas_decode_ceiling(model, repeat, 1)}
     b["fraction"] = r["decode"]["ours_tok_s"] / b["bound_tok_s"]
@@ -379,10 +389,11 @@ def report(r) -> str:
         f"with 1 thread {b['blas_ceiling_1_thread_tok_s']:.1f} tok/s",
         f"   decode reaches {b['fraction_of_blas']:.0%} of the BLAS alone",
         "",
-        f"4. KV cache, {kv['new_tokens']} new tokens after {kv['prompt_tokens']} of prompt: positions "
-        f"{kv['positions_with_cache']:,} with vs {kv['positions_without_cache']:,} without "
-        f"({kv['positions_ratio']:.1f}x); time {kv['seconds_with_cache']:.2f} s vs "
-        f"{kv['seconds_without_cache']:.2f} s ({kv['time_ratio']:.1f}x)",
+        f"4. KV cache, {kv['new_tokens']} new tokens after {kv['prompt_tokens']} of prompt: "
+        f"positions {kv['positions_with_cache']:,} with vs "
+        f"{kv['positions_without_cache']:,} without ({kv['positions_ratio']:.1f}x); "
+        f"time {kv['seconds_with_cache']:.2f} s vs {kv['seconds_without_cache']:.2f} s "
+        f"({kv['time_ratio']:.1f}x)",
         "",
         "5. shape-only tracing on the meta device (prefill of 6 tokens + 1 decode step)",
     ]
@@ -404,8 +415,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.bench", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help="fewer repeats and tokens (about 2 min instead of 7)")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads to pin (default: every CPU)")
-    p.add_argument("--json", default=None, help="where to write the figures (default: bench.json in the cache, "
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="threads to pin (default: every CPU)")
+    p.add_argument("--json", default=None,
+                   help="where to write the figures (default: bench.json in the cache, "
                    "which the book's cost chapter reads)")
     args = p.parse_args(argv)
     try:

@@ -1,4 +1,5 @@
-"""llmtrace: a Llama forward pass that records the shape, dtype, cost and value of every operation."""
+"""llmtrace: a Llama forward pass that records the shape, dtype, cost and value of every
+operation."""
 
 from .config import Config
 from .errors import LlmTraceError

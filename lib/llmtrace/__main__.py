@@ -23,13 +23,15 @@ def parse_args(argv):
     p = _Parser(prog="python -m llmtrace", description=__doc__)
     p.add_argument("prompt", help="the text to continue")
     p.add_argument("--model", default=None,
-                   help="auto (default, or $LLMTRACE_MODEL), embedded, tinyllama, a HF directory or a .gguf file")
+                   help="auto (default, or $LLMTRACE_MODEL), embedded, tinyllama, "
+                   "a HF directory or a .gguf file")
     p.add_argument("--max-new-tokens", type=int, default=20)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layers", type=int, default=1, help="layers shown in full in the table (default 1)")
+    p.add_argument("--layers", type=int, default=1,
+                   help="layers shown in full in the table (default 1)")
     p.add_argument("--all-layers", action="store_true", help="show every layer in the table")
     p.add_argument("--shapes-only", action="store_true",
                    help="trace TinyLlama-1.1B's shapes on the meta device, no weights needed "
@@ -85,8 +87,9 @@ def top_candidates(tokenizer, logits: torch.Tensor, n: int = 10) -> list[dict]:
 
     probs = torch.softmax(logits.float(), -1)
     top = probs.topk(n)
-    return [{"id": int(i), "piece": display_piece(tokenizer, int(i)), "logit": round(float(logits[i]), 4),
-             "prob": round(float(p), 6)} for p, i in zip(top.values, top.indices)]
+    return [{"id": int(i), "piece": display_piece(tokenizer, int(i)),
+             "logit": round(float(logits[i]), 4), "prob": round(float(p), 6)}
+            for p, i in zip(top.values, top.indices)]
 
 
 def run_shapes_only(args) -> dict:
@@ -106,7 +109,8 @@ def run_shapes_only(args) -> dict:
     ids = torch.tensor([tok.encode(args.prompt)])  # [1, T]
     prefill, decode = trace_shapes(config, ids, decode_steps=1)
     return {"model": config.name, "source": "meta device (shapes only)", "config": config.to_dict(),
-            "input_ids": ids[0].tolist(), "input_pieces": [display_piece(tok, i) for i in ids[0].tolist()],
+            "input_ids": ids[0].tolist(),
+            "input_pieces": [display_piece(tok, i) for i in ids[0].tolist()],
             "trace": prefill, "decode_trace": decode, "generation": None}
 
 
@@ -117,12 +121,14 @@ def run_live(args) -> dict:
 
     model = load_model(args.model)
     # the CLI prints the prefill's shapes and logits: no values, no later steps (flat memory)
-    g = generate(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-                 keep_values=args.lens, names="layers.*.resid_out",  # values only for the lens
+    g = generate(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                 args.seed, keep_values=args.lens,
+                 names="layers.*.resid_out",  # values only for the lens
                  first_step_only=True)
     tok = model.tokenizer
     out = {"model": model.name, "source": model.source, "config": model.config.to_dict(),
-            "input_ids": g.prompt_ids, "input_pieces": [display_piece(tok, i) for i in g.prompt_ids],
+            "input_ids": g.prompt_ids,
+            "input_pieces": [display_piece(tok, i) for i in g.prompt_ids],
             "trace": g.steps[0], "generation": g,
             "top10": top_candidates(tok, g.step_logits[0]),
             "new_pieces": [display_piece(tok, i) for i in g.new_ids]}

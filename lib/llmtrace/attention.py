@@ -42,10 +42,12 @@ def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0):
     if mask is not None:
         what = f"0 where key <= query position, -inf after ({start} cached)"
         mask = trace.record(f"{name}.causal_mask", what, mask)  # [T, S]  [6, 6]
-        scores = trace.record(f"{name}.masked_scores", "scores + causal_mask", scores + mask)  # [B, H, T, S]
+        scores = trace.record(f"{name}.masked_scores", "scores + causal_mask",
+                              scores + mask)  # [B, H, T, S]
     weights = trace.record(f"{name}.weights", "softmax over keys (rows sum to 1)",
                            F.softmax(scores, dim=-1))  # [B, H, T, S]  [1, 32, 6, 6]
-    return trace.record(f"{name}.weighted_sum", "weights @ v", weights @ v, lead * T * S * d)  # [B, H, T, d]
+    return trace.record(f"{name}.weighted_sum", "weights @ v",
+                        weights @ v, lead * T * S * d)  # [B, H, T, d]
 
 
 def attention(x, w, config, cos, sin, mask, cache, layer, start, trace=NO_TRACE, name="attn"):
@@ -54,12 +56,18 @@ def attention(x, w, config, cos, sin, mask, cache, layer, start, trace=NO_TRACE,
     H, KV, hd = config.n_heads, config.n_kv_heads, config.head_dim
 
     # Projections: Q for every query head, K and V for the (fewer) KV heads.
-    q = trace.record(f"{name}.q_proj", "x @ W_q^T", F.linear(x, w.q_proj), B * T * D * H * hd)  # [B, T, H*hd]  [1, 6, 2048]
-    k = trace.record(f"{name}.k_proj", "x @ W_k^T", F.linear(x, w.k_proj), B * T * D * KV * hd)  # [B, T, KV*hd]  [1, 6, 256]
-    v = trace.record(f"{name}.v_proj", "x @ W_v^T", F.linear(x, w.v_proj), B * T * D * KV * hd)  # [B, T, KV*hd]  [1, 6, 256]
-    q = trace.record(f"{name}.q", f"split into {H} heads", q.view(B, T, H, hd))  # [B, T, H, hd]  [1, 6, 32, 64]
-    k = trace.record(f"{name}.k", f"split into {KV} heads", k.view(B, T, KV, hd))  # [B, T, KV, hd]  [1, 6, 4, 64]
-    v = trace.record(f"{name}.v", f"split into {KV} heads", v.view(B, T, KV, hd))  # [B, T, KV, hd]  [1, 6, 4, 64]
+    q = trace.record(f"{name}.q_proj", "x @ W_q^T",
+                     F.linear(x, w.q_proj), B * T * D * H * hd)  # [B, T, H*hd]  [1, 6, 2048]
+    k = trace.record(f"{name}.k_proj", "x @ W_k^T",
+                     F.linear(x, w.k_proj), B * T * D * KV * hd)  # [B, T, KV*hd]  [1, 6, 256]
+    v = trace.record(f"{name}.v_proj", "x @ W_v^T",
+                     F.linear(x, w.v_proj), B * T * D * KV * hd)  # [B, T, KV*hd]  [1, 6, 256]
+    q = trace.record(f"{name}.q", f"split into {H} heads",
+                     q.view(B, T, H, hd))  # [B, T, H, hd]  [1, 6, 32, 64]
+    k = trace.record(f"{name}.k", f"split into {KV} heads",
+                     k.view(B, T, KV, hd))  # [B, T, KV, hd]  [1, 6, 4, 64]
+    v = trace.record(f"{name}.v", f"split into {KV} heads",
+                     v.view(B, T, KV, hd))  # [B, T, KV, hd]  [1, 6, 4, 64]
 
     # Position enters here, and only into Q and K: V carries content.
     q = apply_rope(q, cos, sin, trace, f"{name}.rope_q")  # [B, T, H, hd]  [1, 6, 32, 64]
@@ -78,10 +86,10 @@ def attention(x, w, config, cos, sin, mask, cache, layer, start, trace=NO_TRACE,
 
     # Heads first, then GQA: repeat each KV head for the query heads that share it.
     q = q.transpose(1, 2)  # [B, H, T, hd]  [1, 32, 6, 64]
-    k_exp = trace.record(f"{name}.k_expanded", f"GQA: {KV} -> {H} heads",
-                         repeat_kv(k_all.transpose(1, 2), config.n_rep))  # [B, H, S, hd]  [1, 32, 6, 64]
-    v_exp = trace.record(f"{name}.v_expanded", f"GQA: {KV} -> {H} heads",
-                         repeat_kv(v_all.transpose(1, 2), config.n_rep))  # [B, H, S, hd]  [1, 32, 6, 64]
+    k_exp = repeat_kv(k_all.transpose(1, 2), config.n_rep)  # [B, H, S, hd]  [1, 32, 6, 64]
+    k_exp = trace.record(f"{name}.k_expanded", f"GQA: {KV} -> {H} heads", k_exp)
+    v_exp = repeat_kv(v_all.transpose(1, 2), config.n_rep)  # [B, H, S, hd]  [1, 32, 6, 64]
+    v_exp = trace.record(f"{name}.v_expanded", f"GQA: {KV} -> {H} heads", v_exp)
 
     out = attend(q, k_exp, v_exp, mask, trace, name, start)  # [B, H, T, hd]  [1, 32, 6, 64]
 

@@ -45,7 +45,8 @@ def model_label(model: Model) -> str:
 
 
 def runs(model: Model, name: str = EMBEDDED) -> bool:
-    """True when the running model is `name`: claims measured on one model are asserted only then."""
+    """True when the running model is `name`: claims measured on one model are asserted only
+    then."""
     return model.config.name == name
 
 
@@ -71,6 +72,7 @@ def show_source(*objects) -> None:
 
     root = Path(__file__).resolve().parent
     for obj in objects:
+        obj = inspect.unwrap(obj)  # past decorators such as torch.inference_mode
         where = Path(inspect.getsourcefile(obj)).resolve().relative_to(root)
         code = inspect.getsource(obj)
         say(f"From `llmtrace/{where}`:\n\n```python\n{code}```")

@@ -57,7 +57,8 @@ class Config:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.n_heads)
         if self.n_heads % self.n_kv_heads:
-            problems.append(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+            problems.append(f"n_heads={self.n_heads} is not a multiple of "
+                            f"n_kv_heads={self.n_kv_heads}")
         if self.head_dim < 2:
             problems.append(f"head_dim={self.head_dim}: hidden_size={self.hidden_size} is smaller "
                             f"than 2 x n_heads={self.n_heads}")
@@ -91,19 +92,22 @@ class Config:
         key = name.lower()
         key = ALIASES.get(key, key)
         if key not in PRESETS:
-            raise LlmTraceError(f"unknown config {name!r}: choose one of {', '.join(sorted(PRESETS))}")
+            raise LlmTraceError(f"unknown config {name!r}: "
+                                f"choose one of {', '.join(sorted(PRESETS))}")
         return cls(name=key, **PRESETS[key])
 
     @classmethod
     def from_hf(cls, source: dict | str | Path, name: str | None = None) -> Config:
-        """From a Hugging Face `config.json` (a path, a directory holding it, or its parsed dict)."""
+        """From a Hugging Face `config.json` (a path, a directory holding it, or its parsed
+        dict)."""
         where = "config"
         if not isinstance(source, dict):
             path = Path(source)
             if path.is_dir():
                 path = path / "config.json"
             if not path.is_file():
-                raise LlmTraceError(f"no config.json at {path}: point at a Hugging Face model directory")
+                raise LlmTraceError(f"no config.json at {path}: "
+                                    "point at a Hugging Face model directory")
             where = str(path)
             source = read_json(path, "a Hugging Face config")
             name = name or path.parent.name
@@ -176,7 +180,8 @@ class Config:
 
     @classmethod
     def from_gguf(cls, fields: dict, name: str = "gguf-model") -> Config:
-        """From GGUF metadata, as a plain dict of key -> value (see `weights.gguf.read_metadata`)."""
+        """From GGUF metadata, as a plain dict of key -> value (see
+        `weights.gguf.read_metadata`)."""
         arch = fields.get("general.architecture")
         if arch != "llama":
             raise LlmTraceError(f"GGUF architecture {arch!r} is not 'llama'")
@@ -214,7 +219,8 @@ class Config:
             ffn_size=get("feed_forward_length"),
             max_positions=get("context_length"),
             rope_theta=get("rope.freq_base", 10000.0, float),
-            # GGUF stores eps as float32 (9.999999747e-06); round it back to the decimal it came from
+            # GGUF stores eps as float32 (9.999999747e-06);
+            # round it back to the decimal it came from
             norm_eps=float(f"{get('attention.layer_norm_rms_epsilon', None, float):.6g}"),
             tied_lm_head="output.weight" not in fields.get("_tensor_names", ()),
             bos_id=int(fields.get("tokenizer.ggml.bos_token_id", 1)),
@@ -303,7 +309,8 @@ MODEL_TENSORS = {
 
 
 def hf_name(field: str, layer: int | None = None) -> str:
-    """A weight's Hugging Face name: hf_name("q_proj", 3) is model.layers.3.self_attn.q_proj.weight."""
+    """A weight's Hugging Face name: hf_name("q_proj", 3) is
+    model.layers.3.self_attn.q_proj.weight."""
     if layer is None:
         return MODEL_TENSORS[field][0]
     return f"model.layers.{layer}.{LAYER_TENSORS[field][0]}"

@@ -44,13 +44,15 @@ def parameter_count(c: Config) -> int:
 
 
 def parameter_shares(c: Config) -> dict[str, float]:
-    """Fractions of the total: the per-layer matrices, the norms, the embedding and LM head tables."""
+    """Fractions of the total: the per-layer matrices, the norms, the embedding and LM head
+    tables."""
     rows = parameter_table(c)
     total = sum(r.total for r in rows)
     matrices = sum(r.total for r in rows if r.per_layer and len(r.shape) == 2)
     norms = sum(r.total for r in rows if len(r.shape) == 1)
     tables = sum(r.total for r in rows if r.component in ("embedding", "lm_head"))
-    return {"per_layer_matrices": matrices / total, "norms": norms / total, "embedding_and_head": tables / total}
+    return {"per_layer_matrices": matrices / total, "norms": norms / total,
+            "embedding_and_head": tables / total}
 
 
 def macs_by_op(trace, per_layer: bool = False) -> dict[str, int]:
@@ -99,12 +101,14 @@ def attention_macs(c: Config, T: int, cached: int = 0, skip_masked: bool = False
     return 2 * c.n_heads * c.head_dim * keys
 
 
-def decode_bytes(c: Config, context: int, batch: int = 1, bytes_per_value: int = 4) -> dict[str, int]:
+def decode_bytes(c: Config, context: int, batch: int = 1,
+                 bytes_per_value: int = 4) -> dict[str, int]:
     """Bytes one decode step must read from memory: every weight matrix once (the embedding lookup
     reads one row; the LM head reads its whole table, which is the embedding table when tied), and
     K and V of every cached position in every layer."""
     table = c.vocab_size * c.hidden_size
-    weights = parameter_count(c) - (0 if c.tied_lm_head else table) + c.hidden_size  # + the row looked up
+    weights = (parameter_count(c) - (0 if c.tied_lm_head else table)
+               + c.hidden_size)  # + the row looked up
     kv = 2 * c.n_layers * batch * context * c.n_kv_heads * c.head_dim
     return {"weights": weights * bytes_per_value, "kv_cache": kv * bytes_per_value,
             "total": (weights + kv) * bytes_per_value}

@@ -45,7 +45,7 @@ PASS = [
     ("blocks", "{L} blocks", "layers.{last}.resid_out"),
     ("final_norm", "final RMSNorm", "final_norm"),
     ("lm_head", "LM head", "lm_head"),
-    ("last", "logits[:, -1]", None),
+    ("last", "logits[0, -1]", None),
     ("sample", "temperature, top-k, top-p, draw", None),
     ("token", "next token id", None),
 ]
@@ -80,7 +80,8 @@ def machine_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
         out.append(f'  label="{title}"; labelloc=t; fontname="Helvetica"; fontsize=13;')
 
     # the whole pass, top to bottom
-    out.append('  subgraph cluster_pass { label="the whole pass"; fontname="Helvetica"; color="#bdbdbd";')
+    out.append('  subgraph cluster_pass { label="the whole pass"; fontname="Helvetica"; '
+               'color="#bdbdbd";')
     for key, text, _ in PASS:
         lit = _lit(key, highlight) or (key == "blocks" and block_lit)
         out.append(f'    "p.{key}" [label="{text.format(L=L)}" {LIT if lit else PLAIN}];')

@@ -24,7 +24,8 @@ class Generation:
     text: str  # the generated continuation, decoded
     stop_reason: str  # "eos" or "max_new_tokens"
     steps: list[Trace] = field(default_factory=list)  # one per step, empty when tracing is off
-    step_logits: list[torch.Tensor] = field(default_factory=list)  # [V] per step: the logits sampled from
+    step_logits: list[torch.Tensor] = field(
+        default_factory=list)  # [V] per step: the logits sampled from
     positions_processed: int = 0  # token positions pushed through the model, over all steps
     seconds: float = 0.0
 
@@ -109,7 +110,8 @@ def generate(model, prompt, max_new_tokens: int = 20, temperature: float = 0.0,
             logits = decode_one_token(model, token, cache, trace, patch)  # [1, 1, V]
             result.positions_processed += 1
         else:  # no cache: recompute the whole sequence so far
-            logits = model.forward(torch.tensor([result.ids]), trace, patch=patch)  # [1, T + step, V]
+            seq = torch.tensor([result.ids])  # [1, T + step]
+            logits = model.forward(seq, trace, patch=patch)  # [1, T + step, V]
             result.positions_processed += len(result.ids)
         token = sample_next(logits, trace, step)
     if stop_at_eos and token == model.config.eos_id:

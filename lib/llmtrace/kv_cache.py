@@ -12,18 +12,22 @@ from .errors import LlmTraceError
 class KVCache:
     def __init__(self, n_layers: int, max_len: int, n_kv_heads: int, head_dim: int, batch: int = 1,
                  device="cpu", dtype=torch.float32):
-        shape = (batch, max_len, n_kv_heads, head_dim)  # [B, max_len, KV, head_dim]  [1, 2048, 4, 64]
+        shape = (batch, max_len,
+                 n_kv_heads, head_dim)  # [B, max_len, KV, head_dim]  [1, 2048, 4, 64]
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.max_len = max_len
         self.length = 0  # positions filled, set by the model after each forward pass
 
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v ([B, T, KV, head_dim]) at positions start..start+T-1; read back 0..start+T-1."""
+    def update(self, layer: int, start: int, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v ([B, T, KV, head_dim]) at positions start..start+T-1; read back
+        0..start+T-1."""
         end = start + k.shape[1]
         if end > self.max_len:
             raise LlmTraceError(f"the KV cache holds {self.max_len} positions, this step needs "
                                 f"{end}: make it with model.new_cache({end}) or larger")
         self.k[layer][:, start:end] = k
         self.v[layer][:, start:end] = v
-        return self.k[layer][:, :end], self.v[layer][:, :end]  # [B, end, KV, head_dim]  [1, 7, 4, 64] at decode 1
+        return (self.k[layer][:, :end],
+                self.v[layer][:, :end])  # [B, end, KV, head_dim]  [1, 7, 4, 64] at decode 1

@@ -33,4 +33,5 @@ def keep_freed_memory() -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     mallopt = ctypes.CDLL(None).mallopt
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return (bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+            and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)))

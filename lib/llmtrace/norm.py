@@ -8,7 +8,8 @@ import torch
 from .trace import NO_TRACE
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, trace=NO_TRACE, name: str = "norm") -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, trace=NO_TRACE,
+             name: str = "norm") -> torch.Tensor:
     mean_sq = trace.record(f"{name}.mean_sq", "mean(x^2) over the last dim",
                            x.pow(2).mean(-1, keepdim=True))  # [B, T, 1]  [1, 6, 1]
     x_hat = x * torch.rsqrt(mean_sq + eps)  # [B, T, D]: each row now has RMS 1

@@ -17,10 +17,12 @@ def rope_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
     return 1.0 / theta**exponents  # [head_dim/2]  [32]
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor, head_dim: int,
+                 theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = rope_frequencies(head_dim, theta, positions.device)  # [head_dim/2]
     angles = positions.float()[:, None] * freqs[None, :]  # [T, head_dim/2]  [6, 32]
-    angles = torch.cat([angles, angles], dim=-1)  # [T, head_dim]: pair (d, d + head_dim/2) shares an angle
+    # each pair (d, d + head_dim/2) shares an angle
+    angles = torch.cat([angles, angles], dim=-1)  # [T, head_dim]
     return angles.cos(), angles.sin()  # [T, head_dim] each  [6, 64]
 
 
@@ -29,7 +31,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (a, b) -> (-b, a) for every pair
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, trace=NO_TRACE, name: str = "rope") -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, trace=NO_TRACE,
+               name: str = "rope") -> torch.Tensor:
     """x: [B, T, n_heads, head_dim]. Rotates each pair (x[d], x[d+half]) by its angle:
     x[d]      -> x[d] cos - x[d+half] sin
     x[d+half] -> x[d+half] cos + x[d] sin"""
@@ -41,9 +44,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, trace=NO_T
 def apply_rope_adjacent(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Meta's convention, for comparison: pairs (2i, 2i+1) rotated as complex numbers."""
     head_dim = x.shape[-1]
-    angles = positions.float()[:, None] * rope_frequencies(head_dim, theta)[None, :]  # [T, head_dim/2]
+    freqs = rope_frequencies(head_dim, theta)  # [head_dim/2]
+    angles = positions.float()[:, None] * freqs[None, :]  # [T, head_dim/2]
     rot = torch.polar(torch.ones_like(angles), angles)[:, None, :]  # [T, 1, head_dim/2] complex
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], head_dim // 2, 2))  # [B, T, H, head_dim/2]
+    pairs = x.float().reshape(*x.shape[:-1], head_dim // 2, 2)  # [B, T, H, head_dim/2, 2]
+    pairs = torch.view_as_complex(pairs)  # [B, T, H, head_dim/2]
     return torch.view_as_real(pairs * rot).flatten(-2)  # [B, T, H, head_dim]
 
 

@@ -41,8 +41,9 @@ def scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return shifted.float()
 
 
-def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-           generator: torch.Generator | None = None, trace=NO_TRACE) -> int:
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+           top_p: float | None = None, generator: torch.Generator | None = None,
+           trace=NO_TRACE) -> int:
     """logits: [V] for the last position. temperature 0 is greedy (the argmax)."""
     check_sampling(temperature, top_k, top_p)
     if logits.dim() != 1 or not logits.is_floating_point():
@@ -53,7 +54,8 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
             or torch.isneginf(logits).all()):
         raise LlmTraceError("the logits hold NaN or +inf (or are all -inf): there is nothing to "
                             "sample from; check the model's output first")
-    logits = trace.record("sample.logits", "logits at the last position", logits.float())  # [V]  [32000]
+    logits = trace.record("sample.logits", "logits at the last position",
+                          logits.float())  # [V]  [32000]
     if temperature == 0:
         trace.record("sample.probs", "softmax(logits), for display: greedy takes the argmax",
                      torch.softmax(logits, -1))  # [V]
@@ -61,7 +63,8 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
 
     scaled = trace.record("sample.scaled", f"logits / {temperature:g}",
                           scale(logits, temperature))  # [V]
-    probs = trace.record("sample.probs", "softmax(scaled)", torch.softmax(scaled, -1))  # [V], sums to 1
+    probs = trace.record("sample.probs", "softmax(scaled)",
+                         torch.softmax(scaled, -1))  # [V], sums to 1
     sorted_probs, sorted_ids = probs.sort(descending=True)  # [V] each, most likely first
     trace.record("sample.sorted_ids", "token ids by probability, descending", sorted_ids)
     trace.record("sample.sorted_probs", "probabilities, descending", sorted_probs)
@@ -71,11 +74,14 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
     if top_k is not None:
         keep[top_k:] = False
     if top_p is not None:
-        # keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it is past p
+        # keep the smallest prefix whose mass reaches top_p:
+        # drop a token once the mass before it is past p
         keep &= (cumsum - sorted_probs) <= top_p
     trace.record("sample.kept", f"kept: top_k={top_k}, top_p={top_p}", keep)
     kept_probs = sorted_probs * keep
     kept_probs = trace.record("sample.filtered_probs", "kept probabilities, renormalized",
                               kept_probs / kept_probs.sum())  # [V], zero past the kept prefix
-    choice = torch.multinomial(kept_probs, 1, generator=generator)  # [1]: a position in the sorted order
-    return int(trace.record("sample.token", "seeded multinomial draw", sorted_ids[choice][0]).item())
+    choice = torch.multinomial(kept_probs, 1,
+                               generator=generator)  # [1]: a position in the sorted order
+    return int(trace.record("sample.token", "seeded multinomial draw",
+                            sorted_ids[choice][0]).item())

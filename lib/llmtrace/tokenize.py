@@ -48,7 +48,8 @@ class HFTokenizer:
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def from_file(cls, path: str | Path, bos_id: int, eos_id: int, add_bos: bool = False) -> HFTokenizer:
+    def from_file(cls, path: str | Path, bos_id: int, eos_id: int,
+                  add_bos: bool = False) -> HFTokenizer:
         from tokenizers import Tokenizer
 
         return cls(Tokenizer.from_file(str(path)), bos_id, eos_id, add_bos)

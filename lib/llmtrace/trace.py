@@ -18,6 +18,8 @@ import fnmatch
 import functools
 import inspect
 import re
+import textwrap
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -36,7 +38,8 @@ class Record:
     tensor: torch.Tensor | None  # None when the trace keeps shapes only or filtered this name out
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "op": self.op, "shape": list(self.shape), "dtype": self.dtype, "macs": self.macs}
+        return {"name": self.name, "op": self.op, "shape": list(self.shape), "dtype": self.dtype,
+                "macs": self.macs}
 
 
 def _name_filter(names) -> Callable[[str], bool]:
@@ -93,8 +96,10 @@ class Trace:
         """The recorded tensor: `trace["layers.0.attn.weights"]`."""
         rec = self.get(name)
         if rec.tensor is None:
-            why = "this trace keeps shapes only" if not self.keep_values else "its name was filtered out"
-            raise LlmTraceError(f"record {name!r} holds no tensor ({why}): trace with keep_values=True")
+            why = ("this trace keeps shapes only" if not self.keep_values
+                   else "its name was filtered out")
+            raise LlmTraceError(f"record {name!r} holds no tensor ({why}): "
+                                "trace with keep_values=True")
         return rec.tensor
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -116,8 +121,9 @@ class Trace:
         return sum(r.macs for r in self.records)
 
     def nbytes(self) -> int:
-        """Bytes of memory the kept tensors occupy. A view (`q` of `q_proj`, a slice of the KV cache)
-        and a tensor recorded under several names (the causal mask) share memory: counted once."""
+        """Bytes of memory the kept tensors occupy. A view (`q` of `q_proj`, a slice of the KV
+        cache) and a tensor recorded under several names (the causal mask) share memory: counted
+        once."""
         storages = {}
         for r in self.records:
             if r.tensor is not None:
@@ -127,22 +133,31 @@ class Trace:
 
     # --- views ------------------------------------------------------------------------------
     def table(self, pattern: str | None = None, layers: int | None = None) -> str:
-        """A plain-text data-flow table (name, op, shape, MACs). `layers=1` shows the first layer
-        in full and folds the rest into one line, as the seed's diagram does."""
+        """A plain-text data-flow table (name, op, shape, MACs) whose rows fit TABLE_WIDTH: an op
+        too long for its column continues on the next line. `layers=1` shows the first layer in
+        full and folds the rest into one line, as the seed's diagram does. The dtype most tensors
+        share is said once, under the table; any other dtype follows its tensor's shape."""
         rows = self.records if pattern is None else self.find(pattern)
+        common = Counter(r.dtype for r in rows).most_common(1)[0][0] if rows else None
         lines, folded = [], 0
         for r in rows:
             if layers is not None and r.name.startswith("layers."):
                 if int(r.name.split(".")[1]) >= layers:
                     folded += 1
                     continue
-            lines.append((r.name, r.op, _fmt_shape(r.shape), r.dtype, f"{r.macs:,}" if r.macs else ""))
+            shape = _fmt_shape(r.shape) + ("" if r.dtype == common else f" {r.dtype}")
+            lines.append((r.name, r.op, shape, f"{r.macs:,}" if r.macs else ""))
             if folded == 0 and layers is not None and r.name == f"layers.{layers - 1}.resid_out":
                 n_layers = len({x.name.split(".")[1] for x in rows if x.name.startswith("layers.")})
                 if n_layers > layers:
-                    lines.append((f"layers.{layers}..{n_layers - 1}", f"same ops, {n_layers - layers} more layers",
-                                  "", "", ""))
-        return _format_rows(("name", "op", "shape", "dtype", "MACs"), lines)
+                    lines.append((f"layers.{layers}..{n_layers - 1}",
+                                  f"same ops, {n_layers - layers} more layers", "", ""))
+        table = _format_rows(("name", "op", "shape", "MACs"), lines, wrap=1)
+        if common is None:
+            return table
+        if all(r.dtype == common for r in rows):
+            return f"{table}\nevery tensor above is {common}"
+        return f"{table}\nevery tensor above is {common}, unless another dtype follows its shape"
 
     def compare(self, other: Trace, pattern: str | None = None, mark: bool = True) -> str:
         """Two traces side by side by name, e.g. prefill vs a decode step, or TinyLlama's shapes
@@ -153,7 +168,8 @@ class Trace:
         for r in mine:
             o = theirs.get(r.name)
             other_shape = _fmt_shape(o.shape) if o else "-"
-            row = (r.name, _fmt_shape(r.shape), other_shape, "" if o and o.shape == r.shape else "*")
+            row = (r.name, _fmt_shape(r.shape), other_shape,
+                   "" if o and o.shape == r.shape else "*")
             lines.append(row if mark else row[:3])
         left, right = self.label or "this", other.label or "other"
         return _format_rows(("name", left, right, "differs")[: 4 if mark else 3], lines)
@@ -163,11 +179,14 @@ class Trace:
 
     def __repr__(self) -> str:
         kept = sum(r.tensor is not None for r in self.records)
-        return f"Trace({self.label!r}: {len(self.records)} records, {kept} with values, {self.total_macs:,} MACs)"
+        return (f"Trace({self.label!r}: {len(self.records)} records, {kept} with values, "
+                f"{self.total_macs:,} MACs)")
 
 
 class _NoTrace:
     """Tracing off: `record` hands the tensor straight back."""
+
+    keep_values = False  # nothing is recorded, so `Patched` wrapping it keeps nothing either
 
     def record(self, name, op, tensor, macs=0):
         return tensor
@@ -264,9 +283,30 @@ def _fmt_shape(shape) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
-def _format_rows(header, rows) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
+TABLE_WIDTH = 100  # characters in a row of `Trace.table`: a page of the book
+
+
+def _format_rows(header, rows, wrap: int | None = None) -> str:
+    """Left-aligned columns, each as wide as its widest cell. Column `wrap`, if given, narrows
+    (to no less than 20) so that a row fits TABLE_WIDTH; a longer cell goes on below its row."""
+    widths = ([max(len(str(x)) for x in col) for col in zip(header, *rows)] if rows
+              else [len(h) for h in header])
+    if wrap is not None:
+        room = TABLE_WIDTH - 2 * (len(widths) - 1) - (sum(widths) - widths[wrap])
+        widths[wrap] = min(widths[wrap], max(room, 20))
+        rows = [part for row in rows for part in _wrap_cell(row, wrap, widths[wrap])]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*header).rstrip(), fmt.format(*("-" * w for w in widths)).rstrip()]
     out += [fmt.format(*row).rstrip() for row in rows]
     return "\n".join(out)
+
+
+def _wrap_cell(row: tuple, i: int, width: int) -> list[tuple]:
+    """`row` with its cell `i` cut to `width` at a space, then a row for each further line of it,
+    indented two spaces and blank in every other column."""
+    cell = str(row[i])
+    if len(cell) <= width:
+        return [row]
+    first, *more = textwrap.wrap(cell, width, subsequent_indent="  ") or [""]
+    blank = ("",) * len(row)
+    return [row[:i] + (first,) + row[i + 1:]] + [blank[:i] + (m,) + blank[i + 1:] for m in more]

@@ -67,7 +67,8 @@ def first_line(e: Exception) -> str:
 
 
 def load_gguf(path: str | Path | None = None, name: str = "smollm2-135m"):
-    """(config, state dict, tokenizer) from a Llama-architecture GGUF file (default: the embedded one)."""
+    """(config, state dict, tokenizer) from a Llama-architecture GGUF file (default: the embedded
+    one)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 

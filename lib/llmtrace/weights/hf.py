@@ -28,7 +28,8 @@ def _weight_files(d: Path) -> list[Path]:
         shards = sorted(set(map(str, weight_map.values())))
         missing = [s for s in shards if not (d / s).is_file()]
         if missing:
-            raise LlmTraceError(f"{d}: shard {missing[0]} named in the index is missing: download it again")
+            raise LlmTraceError(f"{d}: shard {missing[0]} named in the index is missing: "
+                                "download it again")
         return [d / s for s in shards]
     if (d / "model.safetensors").is_file():
         return [d / "model.safetensors"]
@@ -96,7 +97,8 @@ def load_hf(directory: str | Path, name: str | None = None):
 
     d = Path(directory)
     if not d.is_dir():
-        raise LlmTraceError(f"{d} is not a directory: point at a folder holding config.json and safetensors")
+        raise LlmTraceError(f"{d} is not a directory: "
+                            "point at a folder holding config.json and safetensors")
     config = Config.from_hf(d, name=name or d.name)
     sd = {}
     for f in _weight_files(d):

@@ -8,7 +8,8 @@ from pathlib import Path
 from ..cache import command
 from ..errors import LlmTraceError
 
-REPOS = ("TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T", "TinyLlama/TinyLlama-1.1B-Chat-v1.0")
+REPOS = ("TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
+         "TinyLlama/TinyLlama-1.1B-Chat-v1.0")
 
 
 def fetch_command() -> str:
@@ -42,7 +43,8 @@ def find_tinyllama(required: bool = True) -> Path | None:
             return d
     if required:
         where = f"{explicit} (LLMTRACE_TINYLLAMA) nor " if explicit else ""
-        raise LlmTraceError(f"TinyLlama's weights are not on this machine ({where}in the Hugging Face cache): "
+        raise LlmTraceError("TinyLlama's weights are not on this machine "
+                            f"({where}in the Hugging Face cache): "
                             f"run `{fetch_command()}` once while online, or use --model embedded")
     return None
 
@@ -56,16 +58,20 @@ def download(repo: str = REPOS[0], timeout: float = 20.0) -> Path:
         raise LlmTraceError("huggingface_hub is not installed: "
                             "pip install huggingface_hub") from None
     try:
-        path = snapshot_download(repo, allow_patterns=["config.json", "*.safetensors", "model.safetensors.index.json",
-                                                       "tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                                                       "generation_config.json"], etag_timeout=timeout)
+        path = snapshot_download(repo, allow_patterns=["config.json", "*.safetensors",
+                                                       "model.safetensors.index.json",
+                                                       "tokenizer.model", "tokenizer.json",
+                                                       "tokenizer_config.json",
+                                                       "generation_config.json"],
+                                 etag_timeout=timeout)
     except Exception as e:  # the hub client raises many kinds; all mean "not fetched"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise LlmTraceError(f"could not download {repo} ({type(e).__name__}: {first[:160]}): "
                             f"this needs a connection to the Hugging Face hub") from None
     path = Path(path)
     if not _complete(path):
-        raise LlmTraceError(f"{repo} at {path} has no safetensors weights: try the other repo, {REPOS[1]}")
+        raise LlmTraceError(f"{repo} at {path} has no safetensors weights: "
+                            f"try the other repo, {REPOS[1]}")
     return path
 
 

@@ -1,4 +1,5 @@
-"""TinyLlama's tokenizer, offline: Llama-2's SentencePiece model rebuilt from llama.cpp's test vocabulary.
+"""TinyLlama's tokenizer, offline: Llama-2's SentencePiece model rebuilt from
+llama.cpp's test vocabulary.
 
 The `llama-cpp-python==0.3.36` source distribution on PyPI ships
 `vendor/llama.cpp/models/ggml-vocab-llama-spm.gguf`: Llama-2's 32,000 pieces with their scores and
@@ -35,17 +36,20 @@ def setup_command() -> str:
     return command("setup", "llmtrace.weights.tokenizer_llama")
 
 
-# Meta's Llama-2 tokenizer.model, as `print(model_proto.trainer_spec)` shows it: every field it sets.
+# Meta's Llama-2 tokenizer.model, as `print(model_proto.trainer_spec)` shows it:
+# every field it sets.
 TRAINER_SPEC = dict(
     input=["/large_experiments/theorem/datasets/MERGED/all.test1.merged"],
-    model_prefix="spm_model_32k_200M_charcov099995_allowWSO__v2", model_type="BPE", vocab_size=32000,
-    self_test_sample_size=0, input_format="text", character_coverage=0.99995, input_sentence_size=200000000,
+    model_prefix="spm_model_32k_200M_charcov099995_allowWSO__v2", model_type="BPE",
+    vocab_size=32000, self_test_sample_size=0, input_format="text", character_coverage=0.99995,
+    input_sentence_size=200000000,
     seed_sentencepiece_size=1000000, shrinking_factor=0.75, num_threads=80, num_sub_iterations=2,
     max_sentence_length=4192, shuffle_input_sentence=True, max_sentencepiece_length=16,
     split_by_unicode_script=True, split_by_whitespace=True, split_by_number=True,
     treat_whitespace_as_suffix=False, split_digits=True, allow_whitespace_only_pieces=True,
-    vocabulary_output_piece_score=True, hard_vocab_limit=True, use_all_vocab=False, byte_fallback=True,
-    required_chars="", unk_id=0, bos_id=1, eos_id=2, pad_id=-1, unk_surface=" \u2047 ", unk_piece="<unk>",
+    vocabulary_output_piece_score=True, hard_vocab_limit=True, use_all_vocab=False,
+    byte_fallback=True, required_chars="", unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+    unk_surface=" \u2047 ", unk_piece="<unk>",
     bos_piece="<s>", eos_piece="</s>", pad_piece="<pad>", train_extremely_large_corpus=False,
     enable_differential_privacy=False, differential_privacy_noise_level=0.0,
     differential_privacy_clipping_threshold=0,
@@ -68,7 +72,8 @@ def fetch_vocab(timeout: float = 300) -> Path:
     if all((dest / f"{VOCAB}{ext}").is_file() for ext in ("", ".inp", ".out")):
         return dest
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d", tmp]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST,
+               "-d", tmp]
         try:
             subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=timeout)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
@@ -127,7 +132,8 @@ def build(fetch: bool = True) -> Path:
     digest = hashlib.sha256(data).hexdigest()
     if digest != LLAMA2_SHA256:
         raise LlmTraceError(f"rebuilt tokenizer.model has sha256 {digest[:16]}..., not Llama-2's "
-                            f"{LLAMA2_SHA256[:16]}...: check the sentencepiece and protobuf versions")
+                            f"{LLAMA2_SHA256[:16]}...: "
+                            "check the sentencepiece and protobuf versions")
     with atomic_path(target) as tmp:
         tmp.write_bytes(data)
     return target
@@ -156,4 +162,5 @@ if __name__ == "__main__":
     except LlmTraceError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"{path}: {path.stat().st_size:,} bytes, sha256 {LLAMA2_SHA256} (Llama-2's tokenizer.model)")
+    print(f"{path}: {path.stat().st_size:,} bytes, sha256 {LLAMA2_SHA256} "
+          "(Llama-2's tokenizer.model)")
