@@ -211,7 +211,6 @@ class Patched:
             raise LlmTraceError("patch must be a dict {name or glob: function}, e.g. "
                                 "{'layers.3.resid_out': lambda t: t * 0}")
         self.trace = trace
-        self.keep_values = trace.keep_values
         self._fns = {name: (fn, _takes_name(fn)) for name, fn in patch.items()}
         self._exact = {n for n in patch if not _is_glob(n)}
         self._globs = [(re.compile(fnmatch.translate(g)), g) for g in patch if _is_glob(g)]
