@@ -186,8 +186,6 @@ class Trace:
 class _NoTrace:
     """Tracing off: `record` hands the tensor straight back."""
 
-    keep_values = False  # nothing is recorded, so `Patched` wrapping it keeps nothing either
-
     def record(self, name, op, tensor, macs=0):
         return tensor
 
