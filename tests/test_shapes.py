@@ -64,3 +64,15 @@ def test_meta_model_holds_no_memory():
     assert m.is_meta and m.weights.embed.device.type == "meta"
     logits = m.forward(torch.zeros(1, 3, dtype=torch.long))
     assert logits.shape == (1, 3, 32000) and logits.device.type == "meta"
+
+
+def test_kv_cache_memory_at_full_context():
+    """TinyLlama's cache at 2,048 positions: 22 layers x K and V x 2048 x 4 KV heads x 64, in fp16."""
+    import torch
+
+    from llmtrace.kv_cache import KVCache
+
+    c = Config.from_name("tinyllama-1.1b")
+    cache = KVCache(c.n_layers, c.max_positions, c.n_kv_heads, c.head_dim, device="meta",
+                    dtype=torch.float16)
+    assert cache.nbytes() == 2 * 22 * 2 * 2048 * 256 == 46_137_344

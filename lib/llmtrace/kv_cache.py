@@ -12,8 +12,7 @@ from .errors import LlmTraceError
 class KVCache:
     def __init__(self, n_layers: int, max_len: int, n_kv_heads: int, head_dim: int, batch: int = 1,
                  device="cpu", dtype=torch.float32):
-        shape = (batch, max_len,
-                 n_kv_heads, head_dim)  # [B, max_len, KV, head_dim]  [1, 2048, 4, 64]
+        shape = (batch, max_len, n_kv_heads, head_dim)  # [B, max_len, KV, hd]  [1, 2048, 4, 64]
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.max_len = max_len
@@ -31,3 +30,8 @@ class KVCache:
         self.v[layer][:, start:end] = v
         return (self.k[layer][:, :end],
                 self.v[layer][:, :end])  # [B, end, KV, head_dim]  [1, 7, 4, 64] at decode 1
+
+    def nbytes(self) -> int:
+        """Memory the cache holds: K and V of every layer at full length (on the meta device,
+        what it would hold)."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
