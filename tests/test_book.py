@@ -45,16 +45,22 @@ def test_chapter_renders_title_table_and_figure(attention_dom):
     assert "Values:" in dom and "which model runs" in dom  # the one-line banner
     assert "layers.0.attn.scores" in dom and "[1, 32, 6, 6]" in dom  # TinyLlama's shape table
     assert '<img alt="_images/' in dom or 'src="../_images/' in dom  # a figure from the trace
-    assert "Traceback" not in dom and "output stderr" not in dom and "Error" not in dom
+    # no error output (the library's source on the page may name LlmTraceError)
+    assert "Traceback (most recent call last)" not in dom and "output stderr" not in dom
 
 
 def test_the_map_renders_with_the_stage_lit(built):
-    """Each stage chapter shows the map of the machine, drawn from TinyLlama's trace, its own stage
-    lit: here RoPE's two records, with TinyLlama's shapes on the edges."""
+    """Each stage chapter shows the map of the machine, drawn from TinyLlama's trace, as a vector
+    image (SVG) with its own stage lit: here RoPE's two records, with TinyLlama's shapes on the
+    edges."""
+    import re
+
     dom = chromium("--dump-dom", (built / "notebooks" / "05_rope.html").as_uri())
-    svg = dom[dom.index("<svg"):]
-    svg = svg[: svg.index("</svg>")]
-    assert "attn.rope_q" in svg and "[1, 6, 32, 64]" in svg and "22 blocks" in svg
+    images = re.findall(r'<img[^>]* src="\.\./(_images/[0-9a-f]+\.svg)"', dom)
+    maps = [t for t in ((built / i).read_text() for i in images) if "attn.rope_q" in t]
+    assert len(maps) == 1, f"no map among the page's SVG images: {images}"
+    svg = maps[0]
+    assert "[1, 6, 32, 64]" in svg and "22 blocks" in svg
     assert svg.count('fill="#ffd54f"') >= 3  # rope_q, rope_k, and the blocks in the whole pass
 
 
