@@ -3,7 +3,7 @@
 The book promises that `LLMTRACE_MODEL=<a Llama checkpoint> make book` rebuilds it from that
 model's own values. Here every chapter runs, top to bottom, on a tiny random-weight checkpoint in
 Hugging Face format with TinyLlama's tokenizer (tests/tiny_checkpoint.py): claims that belong to one
-model must be guarded by `llmtrace.book.runs`, and what holds for every model is still asserted.
+model must be guarded by `book.runs`, and what holds for every model is still asserted.
 """
 
 from pathlib import Path
