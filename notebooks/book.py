@@ -214,7 +214,8 @@ def show_figure(fig, summary: str, static=None) -> None:
             f'<div id="{div}" class="llmtrace-plot" role="img" aria-label="{alt}"></div>{img}'
             f"<script>\n{script}\n</script>{FIGURE_END}"
             f'<p class="llmtrace-figure-summary">{html.escape(summary)}</p></div>')
-    display({"text/plain": summary, "text/html": body, PLOTLY_MIME: spec_json}, raw=True)
+    display({"text/plain": summary, "text/html": body,
+             PLOTLY_MIME: {**spec_json, "config": config}}, raw=True)
 
 
 def _static_png(fig) -> bytes | None:
