@@ -141,8 +141,8 @@ def show_figure(fig, summary: str, static=None) -> None:
     slider or pick from its dropdown.
 
     - In the HTML book it is drawn by the plotly.js that `make book` copies into `book/_static/`
-      (nothing is loaded from the network); in JupyterLab by plotly's own renderer (the
-      `application/vnd.plotly.v1+json` output).
+      (loaded by the page's first figure; nothing is loaded from the network); in JupyterLab by
+      plotly's own renderer (the `application/vnd.plotly.v1+json` output).
     - `summary` is one line of plain text that says what the figure shows, with numbers only to
       the digits that survive a change of CPU (it is the figure's caption and alt text in the book,
       and the one part of the output that nbval compares: the figure's JSON is not compared, see
@@ -194,21 +194,31 @@ def show_figure(fig, summary: str, static=None) -> None:
     alt = html.escape(summary, quote=True)
     img = (f'<img class="llmtrace-static" alt="{alt}" '
            f'src="data:image/png;base64,{base64.b64encode(png).decode()}">' if png else "")
-    payload = json.dumps({**spec_json, "config": config}).replace("</", "<\\/")
+    # `<` escaped: the JSON sits in a <script>, where "</script>" or "<!--" would end or hide it
+    payload = json.dumps({**spec_json, "config": config}).replace("<", "\\u003c")
     script = (
         "(function () {\n"
         f"  var fig = {payload};\n"
         f"  var id = '{div}';\n"
         "  function draw() {\n"
         "    var el = document.getElementById(id);\n"
-        "    if (!el || !window.Plotly) return;  /* no plotly.js: the static image stays */\n"
         "    window.Plotly.newPlot(el, fig).then(function () {\n"
         "      el.parentNode.classList.add('llmtrace-live');\n"
         "    });\n"
         "  }\n"
-        "  if (document.readyState === 'loading') {\n"
-        "    document.addEventListener('DOMContentLoaded', draw);\n"
-        "  } else { draw(); }\n"
+        "  if (window.Plotly) { draw(); return; }\n"
+        "  /* the book's own copy of plotly.js, loaded once by the page's first figure; outside\n"
+        "     the book there is none to load, and the static image stays */\n"
+        "  var root = document.documentElement.dataset.content_root;\n"
+        "  if (root === undefined) return;\n"
+        "  var js = document.getElementById('llmtrace-plotly-js');\n"
+        "  if (!js) {\n"
+        "    js = document.createElement('script');\n"
+        "    js.id = 'llmtrace-plotly-js';\n"
+        "    js.src = root + '_static/plotly.min.js';\n"
+        "    document.head.appendChild(js);\n"
+        "  }\n"
+        "  js.addEventListener('load', draw);\n"
         "})();")
     body = (f'<div class="llmtrace-figure">{FIGURE_START}'
             f'<div id="{div}" class="llmtrace-plot" role="img" aria-label="{alt}"></div>{img}'
