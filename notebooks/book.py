@@ -38,7 +38,10 @@ def tinyllama_walk(prompt: str = PROMPT) -> tuple[Trace, Trace]:
 
 
 def describe(model: Model) -> str:
-    c = model.config
+    return describe_config(model.config)
+
+
+def describe_config(c) -> str:
     head = "tied to the embedding" if c.tied_lm_head else "untied"
     return (f"{c.name}: {c.n_layers} layers, hidden {c.hidden_size}, {c.n_heads} query / "
             f"{c.n_kv_heads} KV heads of {c.head_dim}, FFN {c.ffn_size}, "
@@ -86,22 +89,32 @@ def show_source(*objects) -> None:
 
 def tinyllama_card_html(stage: str | list[str], tiny: Trace) -> str:
     """The card: TinyLlama-1.1B's records at this chapter's stage (layer 0 for the layers'
-    operations), name, op and exact shape, from the meta-device trace. HTML, so it reads the
-    same in the book and in JupyterLab; `<details>`, so it stays out of the way until opened."""
+    operations), name, operation and exact shape, from the meta-device trace, under a line of
+    TinyLlama's config. HTML, so it reads the same in the book and in JupyterLab; `<details>`, so
+    it stays one line high until opened."""
+    from llmtrace import Config
     from llmtrace.trace import _fmt_shape
 
     globs = [stage] if isinstance(stage, str) else list(stage)
     recs = [r for r in tiny.records
             if any(_glob(r.name, g) for g in globs) and _first_layer(r.name)]
     rows = "".join(f"<tr><td><code>{html.escape(r.name)}</code></td>"
-                   f"<td><code>{html.escape(_fmt_shape(r.shape))}</code></td></tr>"
+                   f"<td>{html.escape(r.op)}</td>"
+                   f'<td class="shape"><code>{html.escape(_fmt_shape(r.shape))}</code></td></tr>'
                    for r in recs)
+    c = Config.from_name(TINYLLAMA)
     n = tiny.shape("tokens")[1]
-    return (f'<details class="tinyllama-card"><summary>TinyLlama-1.1B at this stage: exact '
-            f"shapes for the same prompt ({n} tokens with BOS), traced on the meta device, "
-            f"{len(recs)} operations</summary>"
-            f'<table><thead><tr><th>name</th><th>shape</th></tr></thead>'
-            f"<tbody>{rows}</tbody></table></details>")
+    shape = describe_config(c).split(": ", 1)[1]  # "22 layers, hidden 2048, ..."
+    where = (f" Layer 0 shown: its {c.n_layers} layers have the same shapes."
+             if any(r.name.startswith("layers.") for r in recs) else "")
+    ops = "operation" if len(recs) == 1 else "operations"
+    return (f'<details class="tinyllama-card"><summary><span class="tl-model">TinyLlama-1.1B'
+            f'</span> at this stage: {len(recs)} {ops}, exact shapes</summary>'
+            f'<p class="tl-note">The reference model, traced on PyTorch\'s meta device (shapes, '
+            f"no weights) for the same prompt: {n} tokens with BOS. "
+            f"{html.escape(shape[0].upper() + shape[1:])}.{where}</p>"
+            f'<table><thead><tr><th>name</th><th>operation</th><th class="shape">shape</th></tr>'
+            f"</thead><tbody>{rows}</tbody></table></details>")
 
 
 def _glob(name: str, pattern: str) -> bool:

@@ -137,7 +137,8 @@ def network(urls: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def built():
-    assert (HTML / "notebooks" / "01_model.html").is_file(), f"no built book in {HTML}: run `make book`"
+    assert (HTML / "notebooks" / "01_model.html").is_file(), \
+        f"no built book in {HTML}: run `make book`"
     return HTML
 
 
