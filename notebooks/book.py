@@ -127,6 +127,34 @@ def _first_layer(name: str) -> bool:
     return not name.startswith("layers.") or name.startswith("layers.0.")
 
 
+# A figure this wide, at matplotlib's 100 dpi, fills the book's column at a 1280 px window with no
+# scaling; a wider one is shrunk to fit, and its text with it (12 in wide: to 69%, 10 pt text to
+# under 10 px).
+COLUMN_INCHES = 8.2
+BOOK_STYLE = {
+    "figure.figsize": (COLUMN_INCHES, 3.6),
+    "figure.dpi": 100,
+    "savefig.dpi": 100,
+    "font.size": 11,
+    "axes.titlesize": 12,
+    "axes.labelsize": 11,
+    "xtick.labelsize": 10,
+    "ytick.labelsize": 10,
+    "legend.fontsize": 10,
+    "figure.titlesize": 12,
+}
+
+
+def use_book_style() -> None:
+    """Matplotlib defaults that stay legible in the book: figures as wide as its column
+    (`COLUMN_INCHES`) and no text under 10 pt. `start_chapter` applies them; a figure that sets
+    its own `figsize` should stay within `COLUMN_INCHES` wide, and its own `fontsize` at 9 or
+    more."""
+    import matplotlib as mpl
+
+    mpl.rcParams.update(BOOK_STYLE)
+
+
 def start_chapter(stage: str | list[str] | None = None, name: str | None = None
                   ) -> tuple[Model, Trace]:
     """Load the model in force (LLMTRACE_MODEL, default auto), show the one-line banner and, when
@@ -135,6 +163,7 @@ def start_chapter(stage: str | list[str] | None = None, name: str | None = None
     trace)."""
     from IPython.display import HTML, display
 
+    use_book_style()
     model = load_model(resolve(name))
     say(banner_text(model))
     if stage is not None and not runs(model, TINYLLAMA):
