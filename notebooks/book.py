@@ -132,7 +132,6 @@ def _first_layer(name: str) -> bool:
 # under 10 px).
 COLUMN_INCHES = 8.2
 BOOK_STYLE = {
-    "figure.figsize": (COLUMN_INCHES, 3.6),
     "figure.dpi": 100,
     "savefig.dpi": 100,
     "font.size": 11,
@@ -146,10 +145,10 @@ BOOK_STYLE = {
 
 
 def use_book_style() -> None:
-    """Matplotlib defaults that stay legible in the book: figures as wide as its column
-    (`COLUMN_INCHES`) and no text under 10 pt. `start_chapter` applies them; a figure that sets
-    its own `figsize` should stay within `COLUMN_INCHES` wide, and its own `fontsize` at 9 or
-    more."""
+    """Matplotlib defaults that stay legible in the book: 100 dpi and no text under 10 pt
+    (matplotlib's default figure, 6.4 in wide, fits the column). `start_chapter` applies them; a
+    figure that sets its own `figsize` should stay within `COLUMN_INCHES` wide, and its own
+    `fontsize` at 9 or more."""
     import matplotlib as mpl
 
     mpl.rcParams.update(BOOK_STYLE)
