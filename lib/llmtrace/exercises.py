@@ -33,8 +33,9 @@ How a chapter shows an exercise (four cells, after "What you now know"):
            \"\"\"x [B, T, D], weight [D] -> [B, T, D]\"\"\"
            ...  # your code here
 
-       check("rms_norm", rms_norm);
-   (the semicolon keeps Jupyter from echoing the returned bool under the verdict line)
+       check("rms_norm", rms_norm, model=model);
+   (`model` is the page's, from `start_chapter`: the check reuses it instead of loading a
+   second copy; the semicolon keeps Jupyter from echoing the returned bool under the verdict)
 4. Code, the solution, tagged `hide-input` and with metadata
    `{"tags": ["hide-input"], "jupyter": {"source_hidden": true}}` (folded in the HTML and in
    JupyterLab; its pass line shows):
@@ -42,7 +43,10 @@ How a chapter shows an exercise (four cells, after "What you now know"):
            mean_sq = x.pow(2).mean(-1, keepdim=True)  # [B, T, 1]
            return weight * x * torch.rsqrt(mean_sq + eps)  # [B, T, D]
 
-       assert check("rms_norm", rms_norm_solution)
+       assert check("rms_norm", rms_norm_solution, model=model)
+
+   The solution is written out in the cell (the learner reads it there), not `solution(name)`;
+   the assert makes nbval fail if it ever stops passing.
 """
 
 from __future__ import annotations
@@ -613,7 +617,7 @@ def _case_rope_frequencies(model) -> Case:
         return angles.cos(), angles.sin()
 
     return Case(_caller(positions, hd, theta), want,
-                f"cos, sin {_shape(want[0])} (they turn layers.0.attn.q into rope_q)",
+                f"the cos, sin {_shape(want[0])} of layers.0.attn.rope_q",
                 _pair_compare(("cos", "sin"), 1e-5), [
                     (interleaved, "that is the adjacent-pair layout (2i, 2i+1), repeat_interleave; "
                                   "here dimension d pairs with d + head_dim/2: "
@@ -779,7 +783,7 @@ def _case_kv_cache_step(model) -> Case:
         return fn
 
     return Case(call, (want, True), f"layers.0.attn.weighted_sum[0, :, -1] "
-                f"{_shape(want)}, cache written", compare, [
+                f"{_shape(want)} and the cache", compare, [
                     (step(True, lambda p: p), "read positions 0..pos INCLUDED: "
                                               "k_cache[:pos + 1] (off by one)"),
                     (step(True, lambda p: None), "read only positions 0..pos: the cache beyond "
@@ -1143,4 +1147,4 @@ def _main(x):
 
 def _tolerance(case: Case) -> str:
     rtol = getattr(case.compare, "rtol", None)
-    return "exactly" if rtol is None else f"within {rtol:g} relative"
+    return "exactly" if rtol is None else f"within {rtol:.0e} relative"
