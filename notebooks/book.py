@@ -17,7 +17,7 @@ from pathlib import Path
 import llmtrace
 from llmtrace import Trace, load_model, trace_shapes
 from llmtrace.model import Model
-from llmtrace.models import resolve
+from llmtrace.load import resolve
 
 PROMPT = "The capital of France is"
 EMBEDDED = "smollm2-135m"  # the embedded model's config name
