@@ -137,7 +137,7 @@ def compact_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
     """DOT text of the compact map, a few lines high: the whole pass in one row and, when the
     stage is inside a block, the block folded into two rows of steps (attention, then the MLP)
     beneath it, the chapter's stage lit. Each lit step in the pass shows its output's shape."""
-    highlight = [highlight] if isinstance(highlight, str) else list(highlight)
+    highlight = [highlight] if isinstance(highlight, str) else list(highlight or ())
     layers = sorted({int(r.name.split(".")[1]) for r in trace if r.name.startswith("layers.")})
     if not layers:
         raise LlmTraceError("the trace holds no layers: map a forward pass's trace (model.run)")
@@ -149,7 +149,7 @@ def compact_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
            '  node [shape=box fontname="Helvetica" fontsize=11 margin="0.06,0.03" height=0.28];',
            '  edge [color="#616161" arrowsize=0.6];']
     if title:
-        out.append(f'  label="{title}"; labelloc=t; fontname="Helvetica"; fontsize=13;')
+        out.append(f'  label="{_dot_text(title)}"; labelloc=t; fontname="Helvetica"; fontsize=13;')
     # the block first: Graphviz then puts the whole pass in the row beneath it
     if block_lit:
         out.append(f'  subgraph cluster_block {{ label="one block of {L}, folded"; '
@@ -167,7 +167,7 @@ def compact_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
         lit = _lit(key, highlight) or (key == "blocks" and block_lit)
         label = f"{L} blocks" if key == "blocks" else SHORT_PASS[key]
         if lit and rec and key != "blocks":
-            label += "\\n" + _shape(trace, rec)
+            label += "\\n" + _fmt_shape(trace.shape(rec))
         out.append(f'    "p.{key}" [label="{label}" {LIT if lit else PLAIN}];')
     out.append("    " + " -> ".join(f'"p.{key}"' for key, _, _ in PASS) + ";")
     out.append('  }')
