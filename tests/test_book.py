@@ -154,9 +154,13 @@ KEEP_DOM = {"index.html", "notebooks/04_rmsnorm.html", "notebooks/05_rope.html",
 
 
 def figure_pages(built: Path) -> list[str]:
-    """The chapters that carry an interactive figure (book.show_figure)."""
-    return [p.relative_to(built).as_posix() for p in sorted(built.glob("notebooks/*.html"))
-            if "llmtrace-plot" in p.read_text(errors="replace")]
+    """The chapters that carry an interactive figure (book.show_figure), those whose figures have
+    a control (a slider or a dropdown) first."""
+    pages = {p.relative_to(built).as_posix(): p.read_text(errors="replace")
+             for p in sorted(built.glob("notebooks/*.html"))}
+    with_figure = [name for name, text in pages.items() if "llmtrace-plot" in text]
+    return sorted(with_figure, key=lambda name: not re.search(r'"(sliders|updatemenus)":',
+                                                                pages[name]))
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +199,9 @@ def test_no_code_or_output_scrolls_sideways_at_1280px(pages):
 
 
 def test_an_interactive_figure_answers_hover_and_its_control(built, pages, browser):
-    """The first chapter page with an interactive figure (book.show_figure): plotly.js, the
-    book's own copy, draws it; the mouse over the plot shows a hover label with a value; the
-    figure's slider or dropdown changes what the plot shows."""
+    """A chapter page with an interactive figure (book.show_figure), one with a control if any:
+    plotly.js, the book's own copy, draws it; the mouse over the plot shows a hover label with a
+    value; the figure's slider, dropdown or buttons change what the plot shows."""
     with_figure = figure_pages(built)
     assert with_figure, "no page carries an interactive figure (book.show_figure)"
     url = (built / with_figure[0]).as_uri()
@@ -214,7 +218,7 @@ def test_an_interactive_figure_answers_hover_and_its_control(built, pages, brows
                    || figs[0];
         el.id = el.id || 'under-test';
         window.under_test = el;
-        el.scrollIntoView({block: 'center'});
+        el.scrollIntoView({block: 'center', behavior: 'instant'});  // the theme scrolls smoothly
         const r = el.querySelector('.nsewdrag').getBoundingClientRect();
         return [r.x + r.width / 2, r.y + r.height / 2];
     })()""")
@@ -233,24 +237,24 @@ def test_an_interactive_figure_answers_hover_and_its_control(built, pages, brows
             const r = rail.getBoundingClientRect();
             return ['slider', r.x + r.width - 3, r.y + r.height / 2];
         }
-        const head = el.querySelector('.updatemenu-header, .updatemenu-button');
-        if (head) {
-            const r = head.getBoundingClientRect();
-            return ['menu', r.x + r.width / 2, r.y + r.height / 2];
-        }
-        return null;
+        const head = el.querySelector('.updatemenu-header');  // a dropdown
+        const buttons = el.querySelectorAll('.updatemenu-button');  // a row of buttons
+        const pick = head || buttons[buttons.length - 1];
+        if (!pick) return null;
+        const r = pick.getBoundingClientRect();
+        return [head ? 'dropdown' : 'button', r.x + r.width / 2, r.y + r.height / 2];
     })()""")
-    if control is None:
-        pytest.skip("the figure has no slider or dropdown; its hover answered")
+    if control is None:  # no figure of the book has a control: the hover has answered
+        return
     kind, x, y = control
     browser.mouse("mousePressed", x, y)
     browser.mouse("mouseReleased", x, y)
-    if kind == "menu":  # a dropdown opens: pick its last entry
-        pick = browser.js("""(() => {
-            const b = Array.from(window.under_test.querySelectorAll('.updatemenu-button'));
+    if kind == "dropdown":  # it opens: pick its last entry
+        pick = browser.js("""new Promise(done => setTimeout(() => {
+            const b = window.under_test.querySelectorAll('.updatemenu-dropdown-button');
             const r = b[b.length - 1].getBoundingClientRect();
-            return [r.x + r.width / 2, r.y + r.height / 2];
-        })()""")
+            done([r.x + r.width / 2, r.y + r.height / 2]);
+        }, 300))""")
         browser.mouse("mousePressed", *pick)
         browser.mouse("mouseReleased", *pick)
     after = browser.js(f"new Promise(done => setTimeout(() => done({shown}), 800))")
