@@ -204,6 +204,10 @@ def show_figure(fig, summary: str, static=None) -> None:
                           yaxis_autorange="reversed")
         show_figure(fig, f"Attention weights of layer 0, head 0 over {len(toks)} tokens.")
 
+    A token can appear twice in a prompt, and plotly merges equal category labels: make the
+    labels unique (`[f"{i}:{t}" for i, t in enumerate(toks)]`), or plot positions and put the
+    tokens in `customdata` for the hover text (`%{customdata}`).
+
     A control (a slider over layers or heads): give each step the data it shows and let the step
     `restyle` the trace (no frames needed; works the same in the book and in JupyterLab):
 
