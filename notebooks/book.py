@@ -189,8 +189,9 @@ def show_figure(fig, summary: str, static=None) -> None:
       and the one part of the output that nbval compares: the figure's JSON is not compared, see
       `notebooks/conftest.py`, and its HTML is sanitized, see `notebooks/sanitize.cfg`).
     - `static` is the picture for print and for viewers that run no JavaScript: a matplotlib
-      Figure (drawn to PNG and closed), or None to draw the figure's first state simply (heatmaps,
-      lines and bars) with matplotlib.
+      Figure (drawn to PNG and closed), or None to draw the figure's first state simply with
+      matplotlib: one heatmap, lines or bars on one pair of axes. For anything else (subplots,
+      other trace types) pass your own: the book's browser check wants every figure to have one.
 
     Hover: put the tokens in the hover text, e.g. for a [T, T] grid of attention weights `w`:
 
