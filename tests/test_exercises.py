@@ -194,3 +194,17 @@ def test_a_learner_cannot_change_the_model(capsys, model):
     assert not verdict(capsys, "rms_norm", vandal, model)[0]
     assert verdict(capsys, "rms_norm", solution("rms_norm"), model)[0]
     assert verdict(capsys, "residual_block", solution("residual_block"), model)[0]
+
+
+def test_the_exercises_page_lists_every_exercise_with_its_chapter():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "book" / "exercises.md").read_text()
+    chapters = {p.stem[:2]: p.name for p in (root / "notebooks").glob("*.ipynb")}
+    rows = re.findall(r"^\| \[(\d+)\]\(\.\./notebooks/([\w.]+)\) \| `(\w+)\(", page, re.M)
+    assert [name for _, _, name in rows] == NAMES
+    for chapter, notebook, name in rows:
+        assert int(chapter) == CHAPTERS[name], name
+        assert chapters[f"{CHAPTERS[name]:02d}"] == notebook, name
+    assert "book/exercises" in (root / "_toc.yml").read_text()
