@@ -208,3 +208,14 @@ def test_the_exercises_page_lists_every_exercise_with_its_chapter():
         assert int(chapter) == CHAPTERS[name], name
         assert chapters[f"{CHAPTERS[name]:02d}"] == notebook, name
     assert "book/exercises" in (root / "_toc.yml").read_text()
+
+
+def test_without_model_check_loads_the_model_of_llmtrace_model(capsys, monkeypatch, tiny_dir):
+    monkeypatch.setenv("LLMTRACE_MODEL", str(tiny_dir))
+    assert check("embed", solution("embed"))
+    assert "[1, 6, 64]" in capsys.readouterr().out  # the tiny checkpoint's shapes
+
+
+def test_a_large_negative_mask_gets_its_own_hint(capsys, model):
+    ok, line = verdict(capsys, "causal_mask", lambda T: torch.full((T, T), -1e9).triu(1), model)
+    assert not ok and "float('-inf')" in line, line

@@ -496,7 +496,11 @@ def _case_bpe_merge(model) -> Case:
                     if r is not None:
                         ranks[(s[i:j], s[j:k])] = r
         pieces = [tok.id_to_piece(i) for i in tok.encode(text(word), bos=False)]
-        words.append((word, sym, ranks, pieces))
+        if bpe_merge(sym, ranks) == pieces:  # a word the tokenizer splits by merges alone
+            words.append((word, sym, ranks, pieces))
+    if len(words) < 3:
+        raise LlmTraceError(f"the tokenizer of {model.name} does not split words by its merges "
+                            "alone: bpe_merge cannot be checked on it")
 
     def call(fn):
         out = []
@@ -686,6 +690,14 @@ def _case_causal_mask(model) -> Case:
     want = trace["layers.0.attn.causal_mask"]
     T = want.shape[0]
     inf = float("-inf")
+
+    def diagnose(got):
+        blocked = torch.isinf(want)
+        if isinstance(got, torch.Tensor) and got.shape == want.shape and bool(
+                (got[~blocked] == 0).all() and (got[blocked] <= -1e4).all()):
+            return ("the right places, but the mask the model adds holds float('-inf'), "
+                    "not a large negative number")
+        return None
     return Case(_caller(T), want, f"layers.0.attn.causal_mask {_shape(want)}",
                 _tensor_compare(1e-6), [
                     (lambda T: torch.full((T, T), inf).triu(0),
@@ -697,7 +709,7 @@ def _case_causal_mask(model) -> Case:
                      "the future is ABOVE the diagonal (key j > query i): you masked the past"),
                     (lambda T: torch.ones(T, T, dtype=torch.bool).triu(1),
                      "the mask is added to the scores: 0 where allowed, float('-inf') where "
-                     "blocked, not True/False")])
+                     "blocked, not True/False")], diagnose)
 
 
 def _case_softmax(model) -> Case:
