@@ -219,3 +219,16 @@ def test_without_model_check_loads_the_model_of_llmtrace_model(capsys, monkeypat
 def test_a_large_negative_mask_gets_its_own_hint(capsys, model):
     ok, line = verdict(capsys, "causal_mask", lambda T: torch.full((T, T), -1e9).triu(1), model)
     assert not ok and "float('-inf')" in line, line
+
+
+def test_an_out_of_bounds_index_is_the_same_error_whichever_index_a_thread_met():
+    from llmtrace.exercises import _same_error
+
+    def oob(i):
+        return IndexError(f"index {i} is out of bounds for dimension 0 with size 64")
+
+    assert _same_error(oob(450), oob(7483))
+    assert not _same_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied (5x576 and "
+                                        "1536x576)"),
+                           RuntimeError("mat1 and mat2 shapes cannot be multiplied (5x1536 and "
+                                        "576x1536)"))
