@@ -409,7 +409,7 @@ def _store(model) -> dict:
 def _trace(model):
     store = _store(model)
     if "trace" not in store:
-        store["trace"] = model.run(PROMPT)[1]
+        store["logits"], store["trace"] = model.run(PROMPT)  # [1, T, V], the trace
     return store["trace"]
 
 
@@ -982,6 +982,9 @@ class _Step:
         ids = torch.as_tensor(ids).reshape(1, -1).long()  # [1, t]
         start = int(start)
         self.calls.append((start, ids.shape[1]))
+        if start and not self.tokens:
+            raise LlmTraceError(f"step(ids, start={start}): the cache is empty: the prefill "
+                                "comes first, step(prompt_ids, 0)")
         if not 0 <= start <= len(self.tokens):
             raise LlmTraceError(f"step(ids, start={start}): the cache holds positions 0.."
                                 f"{len(self.tokens) - 1} only: start must be the position of "
@@ -1003,7 +1006,8 @@ def _case_decode_loop(model) -> Case:
     T = ids.shape[1]
     want_calls = [(0, T)] + [(T + i, 1) for i in range(N_NEW - 1)]
 
-    memo = {}
+    _trace(model)
+    memo = {tuple(ids[0].tolist()): _store(model)["logits"]}  # the prefill has run already
 
     def call(fn):
         step = _Step(model, memo)
