@@ -1166,8 +1166,11 @@ def check(name: str, fn: Callable, model=None) -> bool:
     if problem is None:
         print(f"✓ {name}: matches {case.what} {_tolerance(case)}")
         return True
-    hint = (case.diagnose(got) if case.diagnose else None) \
-        or _mistake_hint(case, got, None) or _generic_hint(_main(got), _main(case.want))
+    try:
+        hint = (case.diagnose(got) if case.diagnose else None) \
+            or _mistake_hint(case, got, None) or _generic_hint(_main(got), _main(case.want))
+    except Exception:  # noqa: BLE001: no hint rather than no verdict
+        hint = None
     print(f"✗ {name}: {problem}" + (f"; hint: {hint}" if hint else ""))
     return False
 
