@@ -17,7 +17,7 @@ from llmtrace.exercises import CHAPTERS, NAMES, check, solution
 def model(request):
     if request.param == "embedded":
         return load_model("embedded")
-    return load_model(str(request.getfixturevalue("tiny_dir")))
+    return request.getfixturevalue("tiny")
 
 
 def verdict(capsys, name, fn, model) -> tuple[bool, str]:
