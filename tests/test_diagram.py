@@ -42,6 +42,14 @@ def test_renders_as_svg(tiny_trace):
     assert svg.startswith("<svg") and "attn.rope_q" in svg and "[1, 6, 32, 64]" in svg
 
 
+def test_titles_with_quotes_and_no_highlight(tiny_trace):
+    dot = machine_dot(tiny_trace, highlight=None, title='the "whole" pass \\ one block')
+    assert 'label="the \\"whole\\" pass \\\\ one block";' in dot
+    assert "#ffd54f" not in dot  # nothing lit
+    if shutil.which("dot"):
+        assert render_svg(dot).startswith("<svg")  # Graphviz parses it
+
+
 # The compact map: a chapter's "you are here" in a few lines of height.
 
 def _lit_nodes(dot):

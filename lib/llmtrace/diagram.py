@@ -183,7 +183,8 @@ def render_svg(dot: str) -> str:
                             "(or `make graphviz` in the book's checkout)")
     r = subprocess.run([exe, "-Tsvg"], input=dot, capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
-        raise LlmTraceError(f"dot failed: {r.stderr.strip().splitlines()[:1]}")
+        first = (r.stderr.strip().splitlines() or ["no message"])[0]
+        raise LlmTraceError(f"dot failed ({first}): check the DOT text it was given")
     return r.stdout[r.stdout.index("<svg"):]  # drop the XML prolog and doctype
 
 
