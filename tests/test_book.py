@@ -100,6 +100,17 @@ class Browser:
                     return
             self.events.append(self._message(deadline))
 
+    def wait_until(self, expression: str, timeout: float = 30) -> None:
+        """Until a condition holds on the page, through any navigation on the way."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            r = self.call("Runtime.evaluate", session=True, expression=expression,
+                          returnByValue=True, _fail=False)
+            if r and r["result"].get("value") is True:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"still not true after {timeout} s: {expression}")
+
     def requests(self) -> list[str]:
         return [e["params"]["request"]["url"] for e in self.events
                 if e.get("method") == "Network.requestWillBeSent"] + \
@@ -175,6 +186,10 @@ def pages(built, browser):
     seen = {}
     for name in names:
         urls = browser.goto((built / name).as_uri())
+        if name == "index.html":  # it sends the reader on to the intro: wait for that page
+            browser.wait_until("location.href.endsWith('book/intro.html') && "
+                               "document.readyState === 'complete'")
+            urls = browser.requests()
         seen[name] = {"requests": urls, "overflow": browser.js(OVERFLOW_JS)}
         if name in KEEP_DOM:
             seen[name]["dom"] = browser.js("document.documentElement.outerHTML")
@@ -216,11 +231,15 @@ def test_an_interactive_figure_answers_hover_and_its_control(built, pages, brows
         const figs = Array.from(document.querySelectorAll('.llmtrace-plot'));
         const el = figs.find(f => f.querySelector('.slider-container, .updatemenu-container'))
                    || figs[0];
-        el.id = el.id || 'under-test';
         window.under_test = el;
-        el.scrollIntoView({block: 'center', behavior: 'instant'});  // the theme scrolls smoothly
-        const r = el.querySelector('.nsewdrag').getBoundingClientRect();
-        return [r.x + r.width / 2, r.y + r.height / 2];
+        // a tall figure may not fit the window: bring what the mouse will touch into it
+        window.centre = (node, dx) => {
+            // instant: the theme scrolls smoothly, and the mouse must find it in place
+            node.scrollIntoView({block: 'center', behavior: 'instant'});
+            const r = node.getBoundingClientRect();
+            return [dx === undefined ? r.x + r.width / 2 : r.x + r.width + dx, r.y + r.height / 2];
+        };
+        return window.centre(el.querySelector('.nsewdrag'));
     })()""")
     browser.mouse("mouseMoved", *box)
     hover = browser.js("""new Promise(done => setTimeout(() => done(
@@ -233,16 +252,12 @@ def test_an_interactive_figure_answers_hover_and_its_control(built, pages, brows
     control = browser.js("""(() => {
         const el = window.under_test;
         const rail = el.querySelector('.slider-rail-rect');
-        if (rail) {
-            const r = rail.getBoundingClientRect();
-            return ['slider', r.x + r.width - 3, r.y + r.height / 2];
-        }
+        if (rail) return ['slider', ...window.centre(rail, -3)];  // its last step
         const head = el.querySelector('.updatemenu-header');  // a dropdown
         const buttons = el.querySelectorAll('.updatemenu-button');  // a row of buttons
         const pick = head || buttons[buttons.length - 1];
         if (!pick) return null;
-        const r = pick.getBoundingClientRect();
-        return [head ? 'dropdown' : 'button', r.x + r.width / 2, r.y + r.height / 2];
+        return [head ? 'dropdown' : 'button', ...window.centre(pick)];
     })()""")
     if control is None:  # no figure of the book has a control: the hover has answered
         return
@@ -252,8 +267,7 @@ def test_an_interactive_figure_answers_hover_and_its_control(built, pages, brows
     if kind == "dropdown":  # it opens: pick its last entry
         pick = browser.js("""new Promise(done => setTimeout(() => {
             const b = window.under_test.querySelectorAll('.updatemenu-dropdown-button');
-            const r = b[b.length - 1].getBoundingClientRect();
-            done([r.x + r.width / 2, r.y + r.height / 2]);
+            done(window.centre(b[b.length - 1]));
         }, 300))""")
         browser.mouse("mousePressed", *pick)
         browser.mouse("mouseReleased", *pick)
