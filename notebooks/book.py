@@ -49,10 +49,11 @@ def describe_config(c) -> str:
 
 
 def model_label(model: Model) -> str:
-    """The name a reader knows the running model by: "SmolLM2-135M-Instruct (embedded)"."""
+    """The name a reader knows the running model by, and what its values are: the embedded
+    model is the Q4_1 GGUF (Q8_0 embedding, F32 norms) dequantized to fp32."""
     name = model.config.name
     if name == EMBEDDED:
-        return f"{FULL_NAMES[EMBEDDED]} (embedded)"
+        return f"{FULL_NAMES[EMBEDDED]}, Q4_1 weights in fp32"
     return FULL_NAMES.get(name, name)
 
 
