@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from llmtrace import Trace
+from llmtrace.trace import Patched
 
 CHAPTER = Path(__file__).resolve().parents[1] / "notebooks" / "14_inside_the_layers.ipynb"
 PROMPT = "The capital of France is"
@@ -194,7 +195,7 @@ def test_the_top_heads_share_and_its_direct_part_as_the_chapter_says(
         t = t.clone()
         t[:, head, -1] = src[name][:, head, -1]
         return t
-    ours = embedded.forward(ids[corr], patch={name: put_z})[:, -1]
+    ours = embedded.forward(ids[corr], Patched({name: put_z}))[:, -1]
     ours = (m_of(ours, a, b) - m_corr) / (m_clean - m_corr)
     assert torch.allclose(ours, total, atol=2e-3)
 
