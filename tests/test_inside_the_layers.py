@@ -120,46 +120,58 @@ def clean_runs(hf_reference, pairs):
     return seen, m_clean, m_corr
 
 
-def test_patching_the_stream_swaps_positions_in_the_layer_the_chapter_says(
-        embedded, hf_reference, pairs, chapter, clean_runs):
-    ids, a, b, corr, _ = pairs
+def hf_patch_streams(hf, ids, pairs, clean_runs, rows):
+    """Normalized effects of patching, with HF: row r runs pair P[r]'s corrupted prompt with the
+    stream entering layer Ly[r] at position Pos[r] from the clean run (a layer pre-hook)."""
+    _, a, b, corr, _ = pairs
     seen, m_clean, m_corr = clean_runs
-    _, text = chapter
-    N, T = ids.shape
-    L = embedded.config.n_layers
-    start = int((ids != ids[0]).any(0).nonzero()[0])
-    positions = list(range(start, T))
-    # one batch row per (pair, layer, position): the corrupted prompt, one stream patched
-    grid = torch.cartesian_prod(torch.arange(N), torch.arange(L), torch.tensor(positions))
-    P, Ly, Pos = grid.T
+    P, Ly, Pos = rows.T
 
     def patch_layer(l):
-        rows = (Ly == l).nonzero()[:, 0]
+        sel = (Ly == l).nonzero()[:, 0]
 
         def fn(x):  # [R, T, D]: the stream entering layer l
             x = x.clone()
-            x[rows, Pos[rows]] = seen[("in", l)][P[rows], Pos[rows]]
+            x[sel, Pos[sel]] = seen[("in", l)][P[sel], Pos[sel]]
             return x
         return fn
 
     with Hooks() as hooks:
-        for l, layer in enumerate(hf_reference.model.layers):
-            hooks.replace(layer, patch_layer(l))
-        logits = hf_logits(hf_reference, ids[corr[P]])
-    effect = (m_of(logits, a[P], b[P]) - m_corr[P]) / (m_clean[P] - m_corr[P])
-    effect = effect.view(N, L, len(positions)).mean(0)  # [L, positions]
+        for l in Ly.unique().tolist():
+            hooks.replace(hf.model.layers[l], patch_layer(l))
+        logits = hf_logits(hf, ids[corr[P]])
+    return (m_of(logits, a[P], b[P]) - m_corr[P]) / (m_clean[P] - m_corr[P])
 
+
+def test_patching_the_stream_swaps_positions_in_the_layer_the_chapter_says(
+        embedded, hf_reference, pairs, chapter, clean_runs):
+    ids = pairs[0]
+    _, text = chapter
+    N, T = ids.shape
+    L = embedded.config.n_layers
+    start = int((ids != ids[0]).any(0).nonzero()[0])  # the country's position
     printed = {int(l): (float(c), float(t)) for l, c, t in re.findall(
         r"layer\s+(\d+): at the country\s+(-?[\d.]+), at the last position\s+(-?[\d.]+)", text)}
     assert sorted(printed) == list(range(L))
+
+    # the last position entering every layer: one batch row per (pair, layer)
+    rows = torch.cartesian_prod(torch.arange(N), torch.arange(L), torch.tensor([T - 1]))
+    last = hf_patch_streams(hf_reference, ids, pairs, clean_runs, rows).view(N, L).mean(0)
     for l in range(L):  # the chapter printed two decimals
-        assert abs(effect[l, 0] - printed[l][0]) < 0.006, (l, float(effect[l, 0]), printed[l])
-        assert abs(effect[l, -1] - printed[l][1]) < 0.006, (l, float(effect[l, -1]), printed[l])
-    flip = next(l for l in range(L) if effect[l, -1] > 0.5)
+        assert abs(last[l] - printed[l][1]) < 0.006, (l, float(last[l]), printed[l])
+    flip = next(l for l in range(L) if last[l] > 0.5)
     (said,) = number(r"does it from the stream entering layer (\d+) on", text)
-    assert flip == said
-    assert (effect[:flip, 0] > 0.9).all() and (effect[:flip, -1] < 0.1).all()
-    assert (effect[flip:, 0].abs() < 0.1).all() and (effect[flip:, -1] > 0.9).all()
+    assert flip == said and 0 < flip < L
+    assert (last[:flip] < 0.1).all() and (last[flip:] > 0.9).all()
+
+    # the country's position, at the layers on either side of the swap and at the ends
+    layers = torch.tensor(sorted({0, flip - 1, flip, L - 1}))
+    rows = torch.cartesian_prod(torch.arange(N), layers, torch.tensor([start]))
+    country = hf_patch_streams(hf_reference, ids, pairs, clean_runs, rows)
+    country = country.view(N, len(layers)).mean(0)
+    for l, e in zip(layers.tolist(), country):
+        assert abs(e - printed[l][0]) < 0.006, (l, float(e), printed[l])
+        assert (e > 0.9) if l < flip else (abs(e) < 0.1)
 
 
 def test_the_top_heads_share_and_its_direct_part_as_the_chapter_says(
