@@ -33,7 +33,7 @@ How a chapter shows an exercise (four cells, after "What you now know"):
            \"\"\"x [B, T, D], weight [D] -> [B, T, D]\"\"\"
            ...  # your code here
 
-       check("rms_norm", rms_norm, model=model);
+       _ = check("rms_norm", rms_norm, model=model)  # the verdict is printed
    (`model` is the page's, from `start_chapter`: the check reuses it instead of loading a
    second copy; the semicolon keeps Jupyter from echoing the returned bool under the verdict)
 4. Code, the solution, tagged `hide-input` and with metadata
