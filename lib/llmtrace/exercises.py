@@ -35,7 +35,8 @@ How a chapter shows an exercise (four cells, after "What you now know"):
 
        _ = check("rms_norm", rms_norm, model=model)  # the verdict is printed
    (`model` is the page's, from `start_chapter`: the check reuses it instead of loading a
-   second copy; the semicolon keeps Jupyter from echoing the returned bool under the verdict)
+   second copy; `_ =` keeps Jupyter from echoing the returned bool under the verdict, which a
+   semicolon does not do when nbval runs the cell)
 4. Code, the solution, tagged `hide-input` and with metadata
    `{"tags": ["hide-input"], "jupyter": {"source_hidden": true}}` (folded in the HTML and in
    JupyterLab; its pass line shows):
