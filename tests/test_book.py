@@ -137,7 +137,8 @@ def network(urls: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def built():
-    assert (HTML / "notebooks" / "01_model.html").is_file(), f"no built book in {HTML}: run `make book`"
+    assert (HTML / "notebooks" / "01_model.html").is_file(), \
+        f"no built book in {HTML}: run `make book`"
     return HTML
 
 
@@ -254,6 +255,27 @@ def test_an_interactive_figure_answers_hover_and_its_control(built, pages, brows
         browser.mouse("mouseReleased", *pick)
     after = browser.js(f"new Promise(done => setTimeout(() => done({shown}), 800))")
     assert after != before, f"the figure's {kind} did not change what the plot shows"
+
+
+def test_a_printed_page_shows_the_figures_static_image(built, pages, browser):
+    """On paper the interactive figure gives way to its static image (book.show_figure)."""
+    with_figure = figure_pages(built)
+    assert with_figure, "no page carries an interactive figure (book.show_figure)"
+    url = (built / with_figure[0]).as_uri()
+    if browser.js("location.href") != url:
+        browser.goto(url)
+    shown = """Array.from(document.querySelectorAll('.llmtrace-figure')).map(f => [
+        getComputedStyle(f.querySelector('.llmtrace-plot')).display,
+        (f.querySelector('img.llmtrace-static') || {naturalWidth: 0}).naturalWidth > 0 &&
+        getComputedStyle(f.querySelector('img.llmtrace-static')).display])"""
+    browser.call("Emulation.setEmulatedMedia", session=True, media="print")
+    try:
+        printed = browser.js(shown)
+    finally:
+        browser.call("Emulation.setEmulatedMedia", session=True, media="")
+    assert printed and all(plot == "none" and img == "block" for plot, img in printed), printed
+    on_screen = browser.js(shown)
+    assert any(plot != "none" and img == "none" for plot, img in on_screen), on_screen
 
 
 def test_index_redirects_to_the_intro(pages):
