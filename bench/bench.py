@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from llmtrace import LlmTraceError, Trace, generate, load_model, trace_shapes
-from llmtrace.cache import atomic_path, cache_dir
+from llmtrace.disk_cache import atomic_path, cache_dir
 from llmtrace.cost import decode_bytes
 from llmtrace.memory import keep_freed_memory
 from llmtrace.trace import NO_TRACE
@@ -160,7 +160,7 @@ def bench_decode(model, hfs, new_tokens, repeat) -> dict:
             hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                         pad_token_id=model.config.eos_id)
 
-    fns = {"ours": lambda: generate(model, ids, new_tokens, keep_steps=False, stop_at_eos=False)}
+    fns = {"ours": lambda: generate(model, ids, new_tokens, stop_at_eos=False, trace=False)}
     fns.update({attn: (lambda hf=hf: hf_generate(hf)) for attn, hf in hfs.items()})
     r = interleaved(fns, repeat)
     traced = median_time(lambda: generate(model, ids, new_tokens, stop_at_eos=False),
@@ -195,8 +195,9 @@ def bench_cache(model, new_tokens) -> dict:
     """The decode loop with and without the KV cache, on the prompt itself, as chapter 11
     runs it."""
     ids = model.encode(PROMPT)
-    with_cache = generate(model, ids, new_tokens, keep_steps=False, stop_at_eos=False)
-    without = generate(model, ids, new_tokens, keep_steps=False, stop_at_eos=False, use_cache=False)
+    with_cache = generate(model, ids, new_tokens, stop_at_eos=False, trace=False)
+    without = generate(model, ids, new_tokens, stop_at_eos=False, use_cache=False,
+                       trace=False)
     assert with_cache.new_ids == without.new_ids
     return {"new_tokens": new_tokens, "prompt_tokens": ids.shape[1],
             "positions_with_cache": with_cache.positions_processed,
@@ -218,10 +219,11 @@ def bench_meta() -> dict:
     return out
 
 
-def memory_of_traced_run(model_spec: str) -> dict:
+def memory_of_traced_run(model_spec: str, keep_freed: bool = False) -> dict:
     """A fresh process: resident memory after loading the model, then after tracing the prompt with
     every value kept (VmRSS: now; VmHWM: the peak so far); then the time of its first and second
-    traced pass over 256 tokens (the first must get its memory from the kernel)."""
+    traced pass over 256 tokens (the first must get its memory from the kernel; the second too,
+    unless glibc keeps freed memory: keep_freed sets the opt-in, LLMTRACE_KEEP_FREED_MEMORY)."""
     code = ("import sys, time, torch\n"
             "def rss():\n"
             "    f = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
@@ -234,8 +236,9 @@ def memory_of_traced_run(model_spec: str) -> dict:
             "for _ in range(2):\n"
             "    start = time.perf_counter(); m.run(ids); t.append(time.perf_counter() - start)\n"
             "print(*a, *b, *t)")
+    env = {**os.environ, "LLMTRACE_KEEP_FREED_MEMORY": "1" if keep_freed else "0"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=ROOT).stdout.split()
+                         cwd=ROOT, env=env).stdout.split()
     rss_load, peak_load, rss_run, peak_run = map(int, out[:4])
     first, second = map(float, out[4:])
     return {"rss_after_load_mib": rss_load, "peak_after_load_mib": peak_load,
@@ -290,7 +293,8 @@ def run(model=None, quick: bool = False, threads: int | None = None) -> dict:
     started = time.perf_counter()
     r = {"model": c.name, "threads": torch.get_num_threads(), "quick": quick, **provenance()}
     r["bandwidth_gb_s"] = memory_bandwidth() / 1e9
-    r["keep_freed_memory"] = keep_freed_memory()  # as Model.run does for traces that keep values
+    # in this process, freed memory is kept (the opt-in); `memory` below measures both settings
+    r["keep_freed_memory"] = keep_freed_memory()
     r["forward"] = bench_forward(model, hfs["eager"], forward_repeats)
     r["decode"] = bench_decode(model, hfs, new_tokens, repeat)
     r["prefill"] = bench_prefill(model, hfs, 256, repeat)
@@ -307,7 +311,9 @@ def run(model=None, quick: bool = False, threads: int | None = None) -> dict:
     r["decode_bound"] = b
     r["kv_cache"] = bench_cache(model, kv_tokens)
     r["meta"] = bench_meta()
-    r["memory"] = memory_of_traced_run("embedded" if model.name == "smollm2-135m" else model.source)
+    spec = "embedded" if model.name == "smollm2-135m" else model.source
+    r["memory"] = memory_of_traced_run(spec, keep_freed=False)
+    r["memory_keep_freed"] = memory_of_traced_run(spec, keep_freed=True)
     r["seconds"] = time.perf_counter() - started
     return r
 
@@ -360,10 +366,13 @@ def report(r) -> str:
             f"   trace size: {f['trace_bytes'] / 2**20:.1f} MiB in {f['trace_records']} records"
             + (" (TransformerLens's cache: about 520 MiB)" if n == 256 else ""),
         ]
+    keep = r.get("memory_keep_freed", mem)
     lines += [
         f"   a fresh process: first traced pass over 256 tokens "
         f"{mem['first_traced_256_s'] * 1e3:.0f} ms "
-        f"(its memory comes from the kernel), second {mem['second_traced_256_s'] * 1e3:.0f} ms",
+        f"(its memory comes from the kernel), second {mem['second_traced_256_s'] * 1e3:.0f} ms "
+        f"with malloc's defaults, {keep['second_traced_256_s'] * 1e3:.0f} ms with "
+        f"LLMTRACE_KEEP_FREED_MEMORY=1",
         "",
         f"2. greedy decode, {d['new_tokens']} new tokens: llmtrace {d['ours_tok_s']:.1f} tok/s "
         "untraced, "

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaForCausalLM
 
-from llmtrace.models import embedded_checkpoint
+from llmtrace.load import embedded_checkpoint
 
 
 def hf_reference(model, attn: str = "eager") -> LlamaForCausalLM:

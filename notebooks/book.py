@@ -17,7 +17,7 @@ from pathlib import Path
 import llmtrace
 from llmtrace import Trace, load_model, trace_shapes
 from llmtrace.model import Model
-from llmtrace.models import resolve
+from llmtrace.load import resolve
 
 PROMPT = "The capital of France is"
 EMBEDDED = "smollm2-135m"  # the embedded model's config name
@@ -127,3 +127,160 @@ def start_chapter(stage: str | list[str] | None = None, name: str | None = None
     if stage is not None and not runs(model, TINYLLAMA):
         display(HTML(tinyllama_card_html(stage, tinyllama_walk()[0])))
     return model, tinyllama_walk()[0]
+
+
+# --- interactive figures -------------------------------------------------------------------------
+
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+FIGURE_START, FIGURE_END = "<!-- llmtrace-figure -->", "<!-- /llmtrace-figure -->"
+_figures_shown = [0]  # figures shown in this kernel: gives each its own, repeatable, element id
+
+
+def show_figure(fig, summary: str, static=None) -> None:
+    """Show a plotly figure that a reader can explore: hover over it for exact values, move its
+    slider or pick from its dropdown.
+
+    - In the HTML book it is drawn by the plotly.js that `make book` copies into `book/_static/`
+      (loaded by the page's first figure; nothing is loaded from the network); in JupyterLab by
+      plotly's own renderer (the `application/vnd.plotly.v1+json` output).
+    - `summary` is one line of plain text that says what the figure shows, with numbers only to
+      the digits that survive a change of CPU (it is the figure's caption and alt text in the book,
+      and the one part of the output that nbval compares: the figure's JSON is not compared, see
+      `notebooks/conftest.py`, and its HTML is sanitized, see `notebooks/sanitize.cfg`).
+    - `static` is the picture for print and for viewers that run no JavaScript: a matplotlib
+      Figure (drawn to PNG and closed), or None to draw the figure's first state simply (heatmaps,
+      lines and bars) with matplotlib.
+
+    Hover: put the tokens in the hover text, e.g. for a [T, T] grid of attention weights `w`:
+
+        import plotly.graph_objects as go
+        toks = ["The", " capital", " of", " France", " is"]
+        fig = go.Figure(go.Heatmap(
+            z=w, x=toks, y=toks, colorscale="Blues", zmin=0, zmax=1,
+            hovertemplate="query %{y}<br>key %{x}<br>weight %{z:.4f}<extra></extra>"))
+        fig.update_layout(title="Layer 0, head 0: attention weights", height=420,
+                          xaxis_title="key (attended to)", yaxis_title="query",
+                          yaxis_autorange="reversed")
+        show_figure(fig, f"Attention weights of layer 0, head 0 over {len(toks)} tokens.")
+
+    A control (a slider over layers or heads): give each step the data it shows and let the step
+    `restyle` the trace (no frames needed; works the same in the book and in JupyterLab):
+
+        steps = [dict(label=str(l), method="restyle",
+                      args=[{"z": [weights[l][0].tolist()]}, [0]])  # trace 0's z, layer l
+                 for l in range(n_layers)]
+        fig.update_layout(sliders=[dict(steps=steps, active=0,
+                                        currentvalue=dict(prefix="layer "))])
+
+    A dropdown (e.g. over heads) is the same list of steps under
+    `updatemenus=[dict(buttons=[dict(label=..., method="restyle", args=[...]), ...])]`; use
+    `method="update"` with a second dict to change the title too, and `visible` lists to switch
+    between several traces. Keep a figure's data small (at most some tens of thousands of
+    numbers): it is stored in the notebook twice (HTML and JSON)."""
+    import base64
+    import hashlib
+    import json
+
+    from IPython.display import display
+
+    _figures_shown[0] += 1
+    key = f"{_figures_shown[0]}:{summary}".encode()
+    div = "llmtrace-fig-" + hashlib.sha1(key).hexdigest()[:12]
+    # {"data", "layout", "frames"} through plotly's JSON encoder (numpy arrays as base64)
+    spec_json = json.loads(fig.to_json())
+    config = {"responsive": True, "displaylogo": False,
+              "modeBarButtonsToRemove": ["lasso2d", "select2d"]}
+    png = _static_png(fig if static is None else static)
+    alt = html.escape(summary, quote=True)
+    img = (f'<img class="llmtrace-static" alt="{alt}" '
+           f'src="data:image/png;base64,{base64.b64encode(png).decode()}">' if png else "")
+    # `<` escaped: the JSON sits in a <script>, where "</script>" or "<!--" would end or hide it
+    payload = json.dumps({**spec_json, "config": config}).replace("<", "\\u003c")
+    script = (
+        "(function () {\n"
+        f"  var fig = {payload};\n"
+        f"  var id = '{div}';\n"
+        "  function draw() {\n"
+        "    var el = document.getElementById(id);\n"
+        "    window.Plotly.newPlot(el, fig).then(function () {\n"
+        "      el.parentNode.classList.add('llmtrace-live');\n"
+        "    });\n"
+        "  }\n"
+        "  if (window.Plotly) { draw(); return; }\n"
+        "  /* the book's own copy of plotly.js, loaded once by the page's first figure; outside\n"
+        "     the book there is none to load, and the static image stays */\n"
+        "  var root = document.documentElement.dataset.content_root;\n"
+        "  if (root === undefined) return;\n"
+        "  var js = document.getElementById('llmtrace-plotly-js');\n"
+        "  if (!js) {\n"
+        "    js = document.createElement('script');\n"
+        "    js.id = 'llmtrace-plotly-js';\n"
+        "    js.src = root + '_static/plotly.min.js';\n"
+        "    document.head.appendChild(js);\n"
+        "  }\n"
+        "  js.addEventListener('load', draw);\n"
+        "})();")
+    body = (f'<div class="llmtrace-figure">{FIGURE_START}'
+            f'<div id="{div}" class="llmtrace-plot" role="img" aria-label="{alt}"></div>{img}'
+            f"<script>\n{script}\n</script>{FIGURE_END}"
+            f'<p class="llmtrace-figure-summary">{html.escape(summary)}</p></div>')
+    display({"text/plain": summary, "text/html": body,
+             PLOTLY_MIME: {**spec_json, "config": config}}, raw=True)
+
+
+def _static_png(fig) -> bytes | None:
+    """PNG bytes of a matplotlib Figure (then closed), or of a plotly figure's first state drawn
+    simply with matplotlib (heatmaps, lines and bars); None when there is nothing to draw."""
+    import io
+
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    if not hasattr(fig, "savefig"):
+        fig = _plotly_to_matplotlib(fig, plt, np)
+        if fig is None:
+            return None
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _plotly_to_matplotlib(fig, plt, np):
+    traces = [t for t in fig.data if t.visible in (None, True)]
+    traces = [t for t in traces if t.type in ("heatmap", "scatter", "bar")]
+    if not traces:
+        return None
+    height = (fig.layout.height or 450) / 100
+    mfig, ax = plt.subplots(figsize=(8, min(height, 8)))
+    for t in traces:
+        if t.type == "heatmap":
+            z = np.asarray(t.z, dtype=float)
+            down = fig.layout.yaxis.autorange == "reversed"  # row 0 at the top
+            im = ax.imshow(z, aspect="auto", origin="upper" if down else "lower",
+                           cmap="Blues" if np.nanmin(z) >= 0 else "RdBu_r",
+                           vmin=t.zmin, vmax=t.zmax)
+            mfig.colorbar(im, ax=ax)
+            for labels, ticks in ((t.x, ax.set_xticks), (t.y, ax.set_yticks)):
+                if labels is not None and len(labels) <= 40:
+                    ticks(range(len(labels)), [str(s) for s in labels])
+            if t.x is not None and len(t.x) <= 40:
+                plt.setp(ax.get_xticklabels(), rotation=45, ha="right")
+        elif t.type == "scatter":
+            x = t.x if t.x is not None else np.arange(len(t.y))
+            ax.plot(x, t.y, marker="o" if t.mode and "markers" in t.mode else None,
+                    label=t.name)
+        else:
+            x = t.x if t.x is not None else np.arange(len(t.y))
+            ax.bar([str(v) for v in x] if x is not None else x, t.y, label=t.name)
+    if any(t.name for t in traces if t.type != "heatmap"):
+        ax.legend()
+    title = fig.layout.title.text
+    if title:
+        ax.set_title(title)
+    ax.set_xlabel(fig.layout.xaxis.title.text or "")
+    ax.set_ylabel(fig.layout.yaxis.title.text or "")
+    if fig.layout.yaxis.autorange == "reversed" and not any(t.type == "heatmap" for t in traces):
+        ax.invert_yaxis()
+    mfig.tight_layout()
+    return mfig

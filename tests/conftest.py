@@ -1,8 +1,14 @@
+"""Fixtures built once per test run: the embedded model, its traced prompt, TinyLlama on the meta
+device, HF's reference model, and the tiny random checkpoint (a directory, `tiny_dir`, and the
+model loaded from it, `tiny`)."""
+
+import shutil
+from pathlib import Path
+
 import pytest
 
+from helpers import PROMPT
 from llmtrace import load_model, meta_model
-
-PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="session")
@@ -31,15 +37,23 @@ def hf_reference(embedded):
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
-    """A tiny random Llama checkpoint in HF format (2 layers, hidden 64, GQA 4/2), made by HF."""
+    """The tiny random Llama checkpoint in HF format (2 layers, hidden 64, GQA 4/2), made by
+    HF once per run. Tests that break it take `ckpt`, a copy."""
     from tiny_checkpoint import make_tiny_checkpoint
 
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
 @pytest.fixture(scope="session")
 def tiny(tiny_dir):
-    return load_model(str(tiny_dir))
+    """The model loaded from `tiny_dir` (by Path, as load_model's docstring promises)."""
+    return load_model(Path(tiny_dir))
+
+
+@pytest.fixture
+def ckpt(tiny_dir, tmp_path):
+    """A copy of the tiny checkpoint this test may break."""
+    return Path(shutil.copytree(tiny_dir, tmp_path / "ckpt"))
 
 
 @pytest.fixture(scope="session")

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-import llmtrace.models as models
+import llmtrace.load as load
 from llmtrace import Config, LlmTraceError, generate, load_model, sample
 from llmtrace.__main__ import main, parse_args, run_live
-from llmtrace.cache import MANIFEST, cache_dir, manifest_problem
+from llmtrace.disk_cache import MANIFEST, cache_dir, manifest_problem
 from llmtrace.check import estimate_trace_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -613,7 +613,7 @@ def test_cache_that_is_a_file(cache, tmp_path, monkeypatch):
 def test_read_only_cache_fails_before_the_parse(cache, monkeypatch):
     def refuse(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
-    monkeypatch.setattr("llmtrace.cache.tempfile.mkstemp", refuse)
+    monkeypatch.setattr("llmtrace.disk_cache.tempfile.mkstemp", refuse)
     with pytest.raises(LlmTraceError) as err:
         models.embedded_checkpoint()
     assert "cannot write in the cache" in one_line(err) and "Permission denied" in str(err.value)
@@ -623,7 +623,7 @@ def test_read_only_cache_fails_before_the_parse(cache, monkeypatch):
 def test_full_cache_fails_before_the_parse(cache, monkeypatch):
     def one_mib_free(d):
         return shutil._ntuple_diskusage(2**40, 2**40 - 2**20, 2**20)
-    monkeypatch.setattr("llmtrace.cache.shutil.disk_usage", one_mib_free)
+    monkeypatch.setattr("llmtrace.disk_cache.shutil.disk_usage", one_mib_free)
     with pytest.raises(LlmTraceError) as err:
         models.embedded_checkpoint()
     assert "has 1 MiB free, 529 MiB are needed: free some space" in one_line(err)

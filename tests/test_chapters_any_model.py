@@ -2,7 +2,8 @@
 
 The book promises that `LLMTRACE_MODEL=<a Llama checkpoint> make book` rebuilds it from that
 model's own values. Here every chapter runs, top to bottom, on a tiny random-weight checkpoint in
-Hugging Face format with TinyLlama's tokenizer (tests/tiny_checkpoint.py): claims that belong to one
+Hugging Face format with TinyLlama's tokenizer (tests/tiny_checkpoint.py, the session's
+`tiny_dir`): claims that belong to one
 model must be guarded by `book.runs`, and what holds for every model is still asserted.
 """
 
@@ -12,14 +13,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from tiny_checkpoint import make_tiny_checkpoint
-
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

@@ -12,6 +12,7 @@ from llmtrace.config import LAYER_TENSORS, MODEL_TENSORS, expected_shapes
 from llmtrace.model import LayerWeights, Weights, state_dict_from_weights
 from llmtrace.weights.gguf import embedded_gguf_path, load_gguf
 from llmtrace.weights.hf import save_hf
+from helpers import PROMPT
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def test_gguf_reads_config_and_tokenizer():
     assert sd["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
     assert sd["model.embed_tokens.weight"].dtype == torch.float32
     assert set(sd) == set(expected_shapes(config))  # tied: no lm_head.weight
-    assert tok.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
+    assert tok.encode(PROMPT) == [504, 3575, 282, 4649, 314]
 
 
 @pytest.mark.parametrize("shard", [None, 40_000])
@@ -44,13 +45,13 @@ def test_hf_checkpoint_round_trip(tmp_path, tiny, state_dict, shard):
         index = json.loads((d / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 1
     model = load_model(str(d))
-    ids = tiny.encode("The capital of France is")
+    ids = tiny.encode(PROMPT)
     assert torch.equal(model.run(ids, keep_values=False)[0], tiny.run(ids, keep_values=False)[0])
 
 
 def test_tiny_checkpoint_reads_its_tokenizer(tiny):
     assert tiny.config.n_layers == 2 and tiny.config.n_kv_heads == 2 and tiny.config.head_dim == 16
-    assert tiny.encode("The capital of France is")[0].tolist() == [1, 450, 7483, 310, 3444, 338]
+    assert tiny.encode(PROMPT)[0].tolist() == [1, 450, 7483, 310, 3444, 338]
 
 
 def test_checkpoint_that_disagrees_with_its_config(tmp_path, tiny, state_dict):

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from llmtrace.__main__ import main
+from helpers import PROMPT
 
 
 def run(capsys, *args):
@@ -17,7 +18,7 @@ def run(capsys, *args):
 
 
 def test_cli_process_greedy_paris():
-    args = ["--model", "embedded", "--max-new-tokens", "4", "The capital of France is"]
+    args = ["--model", "embedded", "--max-new-tokens", "4", PROMPT]
     r = subprocess.run([sys.executable, "-m", "llmtrace", *args], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
@@ -28,7 +29,7 @@ def test_cli_process_greedy_paris():
 
 def test_cli_json(capsys):
     code, stdout, err = run(capsys, "--model", "embedded", "--max-new-tokens", "3", "--json",
-                            "The capital of France is")
+                            PROMPT)
     assert code == 0, err
     out = json.loads(stdout)
     assert out["model"] == "smollm2-135m" and out["config"]["n_layers"] == 30
@@ -58,13 +59,13 @@ def test_cli_errors_are_one_line(capsys, args, message):
 
 
 def test_cli_shapes_only_tinyllama(capsys):
-    code, stdout, err = run(capsys, "--shapes-only", "The capital of France is")
+    code, stdout, err = run(capsys, "--shapes-only", PROMPT)
     assert code == 0, err
     assert "tinyllama-1.1b" in stdout and "450:' The'" in stdout
     rows = [line for line in stdout.splitlines() if line.startswith("layers.0.attn.scores ")]
     assert "[1, 32, 6, 6]" in rows[0] and "73,728" in rows[0]  # the table: shape and MACs
     assert "[1, 32, 6, 6]" in rows[1] and "[1, 32, 1, 7]" in rows[1]  # prefill vs decode 1
-    _, stdout, _ = run(capsys, "--shapes-only", "--json", "The capital of France is")
+    _, stdout, _ = run(capsys, "--shapes-only", "--json", PROMPT)
     out = json.loads(stdout)
     assert out["input_ids"] == [1, 450, 7483, 310, 3444, 338]
     shapes = {x["name"]: x["shape"] for x in out["trace"]}

@@ -3,8 +3,8 @@
 import json
 
 from llmtrace.__main__ import main
+from helpers import PROMPT
 
-PROMPT = "The capital of France is"
 
 
 def test_lens_grid_as_text(capsys):

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from llmtrace import LlmTraceError, generate, sample, Trace
+from llmtrace import LlmTraceError, Trace, Tracing, generate, sample
+from helpers import PROMPT
 
-PROMPT = "The capital of France is"
 
 
 def test_greedy_picks_paris(embedded):
@@ -20,8 +20,8 @@ def test_greedy_picks_paris(embedded):
 
 
 def test_cache_gives_the_logits_of_recomputation(embedded):
-    cached = generate(embedded, PROMPT, max_new_tokens=6, keep_steps=False)
-    fresh = generate(embedded, PROMPT, max_new_tokens=6, keep_steps=False, use_cache=False)
+    cached = generate(embedded, PROMPT, max_new_tokens=6, trace=False)
+    fresh = generate(embedded, PROMPT, max_new_tokens=6, trace=False, use_cache=False)
     assert cached.new_ids == fresh.new_ids
     for a, b in zip(cached.step_logits, fresh.step_logits):
         assert (a - b).abs().max().item() < 1e-4
@@ -31,7 +31,8 @@ def test_cache_gives_the_logits_of_recomputation(embedded):
 
 
 def test_decode_step_reads_the_cache(embedded):
-    g = generate(embedded, PROMPT, max_new_tokens=2, keep_values=False)
+    g = generate(embedded, PROMPT, max_new_tokens=2,
+                 trace=Tracing(keep_values=False))
     c, T = embedded.config, 5
     d = g.steps[1]
     assert d.shape("tokens") == (1, 1)
@@ -47,6 +48,15 @@ def test_causal_mask_with_a_filled_cache():
     m = causal_mask(2, 5, 3)  # two new queries at positions 3 and 4, five keys
     assert torch.equal(m == 0, torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool))
     assert torch.equal(causal_mask(1, 7, 6), torch.zeros(1, 7))
+
+
+def test_traces_of_the_first_steps_only(embedded):
+    g = generate(embedded, PROMPT, 4, stop_at_eos=False, trace=Tracing(keep_values=False, steps=1))
+    assert [t.label for t in g.steps] == ["prefill"] and len(g.step_logits) == 1
+    assert len(g.new_ids) == 4 and g.steps[0].records[0].tensor is None
+    untraced = generate(embedded, PROMPT, 4, stop_at_eos=False, trace=False)
+    assert untraced.steps == [] and len(untraced.step_logits) == 4
+    assert untraced.new_ids == g.new_ids
 
 
 def test_chunked_prefill_matches_one_pass(embedded):
@@ -71,7 +81,7 @@ def test_seeded_sampling_is_reproducible():
 
 
 def test_generation_is_seeded(embedded):
-    runs = [generate(embedded, PROMPT, 3, temperature=1.0, seed=7, keep_steps=False).new_ids
+    runs = [generate(embedded, PROMPT, 3, temperature=1.0, seed=7, trace=False).new_ids
             for _ in range(2)]
     assert runs[0] == runs[1]
 
@@ -86,7 +96,8 @@ def test_kv_cache_too_small(embedded):
 def test_top_p_walk_is_recorded():
     logits = torch.log(torch.tensor([0.05, 0.80, 0.03, 0.02, 0.10]))
     t = Trace()
-    token = sample(logits, temperature=1.0, top_p=0.85, generator=torch.Generator().manual_seed(0), trace=t)
+    token = sample(logits, temperature=1.0, top_p=0.85,
+                   generator=torch.Generator().manual_seed(0), trace=t)
     assert t["sample.sorted_ids"].tolist() == [1, 4, 0, 2, 3]
     assert torch.allclose(t["sample.cumsum"][:3], torch.tensor([0.80, 0.90, 0.95]))
     assert t["sample.kept"].tolist() == [True, True, False, False, False]
@@ -96,17 +107,18 @@ def test_top_p_walk_is_recorded():
 
 def test_top_k_keeps_k():
     t = Trace()
-    sample(torch.randn(100), temperature=1.0, top_k=3, generator=torch.Generator().manual_seed(0), trace=t)
+    sample(torch.randn(100), temperature=1.0, top_k=3,
+           generator=torch.Generator().manual_seed(0), trace=t)
     assert t["sample.kept"].sum().item() == 3
 
 
 def test_stops_at_eos(embedded):
     eos = embedded.config.eos_id
     ids = embedded.encode("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n")
-    g = generate(embedded, ids, max_new_tokens=40, keep_steps=False)
+    g = generate(embedded, ids, max_new_tokens=40, trace=False)
     assert g.stop_reason == "eos" and g.new_ids[-1] == eos and len(g.new_ids) < 40
     assert g.positions_processed == ids.shape[1] + len(g.new_ids) - 1  # the EOS is never fed back
-    g = generate(embedded, PROMPT, max_new_tokens=3, keep_steps=False)
+    g = generate(embedded, PROMPT, max_new_tokens=3, trace=False)
     assert g.stop_reason == "max_new_tokens" and len(g.new_ids) == 3
 
 

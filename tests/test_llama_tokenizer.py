@@ -6,6 +6,7 @@ import pytest
 
 from llmtrace.tokenize import display_piece
 from llmtrace.weights.tokenizer_llama import LLAMA2_BYTES, LLAMA2_SHA256, llama_cpp_vectors, tokenizer_model_path
+from helpers import PROMPT
 
 
 def test_file_is_llama2s_byte_for_byte(llama_tok):
@@ -22,7 +23,7 @@ def test_llama_cpp_vectors(llama_tok):
 
 
 def test_prompt_and_paris(llama_tok):
-    ids = llama_tok.encode("The capital of France is")
+    ids = llama_tok.encode(PROMPT)
     assert ids == [1, 450, 7483, 310, 3444, 338]
     assert [llama_tok.id_to_piece(i) for i in ids] == ["<s>", "▁The", "▁capital", "▁of", "▁France", "▁is"]
     assert llama_tok.id_to_piece(3681) == "▁Paris" and llama_tok.piece_to_id("▁Paris") == 3681

@@ -11,8 +11,9 @@ from llmtrace.attention import repeat_kv
 from llmtrace.mlp import swiglu
 from llmtrace.norm import rms_norm
 from llmtrace.rope import adjacent_to_half_split, apply_rope, half_split_to_adjacent, rope_cos_sin
+from helpers import PROMPT
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    return", "1 + 1 = 2, 2 + 2 =",
+PROMPTS = [PROMPT, "def fibonacci(n):\n    return", "1 + 1 = 2, 2 + 2 =",
            "Once upon a time, in a small village by the sea, there lived"]
 
 
@@ -28,7 +29,7 @@ def test_prefill_logits_match_hf(embedded, hf_reference, prompt):
 
 def test_decode_steps_match_hf(embedded, hf_reference):
     """Decode with the KV cache, step by step, against HF on the whole sequence at once."""
-    g = generate(embedded, PROMPTS[0], max_new_tokens=8, keep_steps=False)
+    g = generate(embedded, PROMPTS[0], max_new_tokens=8, trace=False)
     full = torch.tensor([g.ids[:-1]])  # every position whose next-token logits were sampled
     with torch.inference_mode():
         theirs = hf_reference(full).logits[0]
@@ -104,6 +105,6 @@ def test_mlp_matches_hf(tiny, tiny_hf):
 
 @torch.inference_mode()
 def test_tiny_logits_match_hf(tiny, tiny_hf):
-    ids = tiny.encode("The capital of France is")
+    ids = tiny.encode(PROMPT)
     ours, _ = tiny.run(ids, keep_values=False)
     assert (ours - tiny_hf(ids).logits).abs().max().item() < 1e-4

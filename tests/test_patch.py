@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from llmtrace import LlmTraceError, generate
+from llmtrace import LlmTraceError, Patched, generate
+from helpers import PROMPT
 
-FRANCE, GERMANY = "The capital of France is", "The capital of Germany is"
+FRANCE, GERMANY = PROMPT, "The capital of Germany is"
 
 
 @pytest.fixture(scope="module")
@@ -89,21 +90,21 @@ def test_patch_applies_in_every_step_of_generate_and_with_tracing_off(embedded):
     assert g.new_ids == [berlin] * 3
     assert shapes == [(1, 5, 49152), (1, 1, 49152), (1, 1, 49152)]
     assert g.steps[0].get("lm_head").op.endswith("[patched]")
-    logits = embedded.forward(embedded.encode(FRANCE), patch=patch)  # tracing off
+    logits = embedded.forward(embedded.encode(FRANCE), Patched(patch))  # tracing off
     assert int(logits[0, -1].argmax()) == berlin
 
 
 def test_unknown_names_are_refused_with_close_names(embedded):
-    close = r"'layers.3.attn.weight' \(close: layers.3.attn.weights,"
+    close = r"'layers.3.attn.weight' \(did you mean layers.3.attn.weights,"
     with pytest.raises(LlmTraceError, match=close):
         embedded.run(FRANCE, patch={"layers.3.attn.weight": lambda t: t})
-    with pytest.raises(LlmTraceError, match=r"'layers.\*.resid_post' \(close: layers.\*.resid_"):
-        embedded.forward(embedded.encode(FRANCE), patch={"layers.*.resid_post": lambda t: t})
+    with pytest.raises(LlmTraceError, match=r"'layers.\*.resid_post' \(did you mean layers.\*.resid_"):
+        embedded.run(FRANCE, keep_values=False, patch={"layers.*.resid_post": lambda t: t})
 
 
 def test_bad_patches_are_refused(embedded):
-    with pytest.raises(LlmTraceError, match=r"returned \[1, 5, 1\], not a tensor of the op's shape "
-                                            r"\[1, 5, 576\]"):
+    with pytest.raises(LlmTraceError, match=r"returned \[1, 5, 1\] float32 on cpu, not the op's "
+                                            r"\[1, 5, 576\] float32 on cpu"):
         embedded.run(FRANCE, patch={"embed": lambda t: t[..., :1]})
     with pytest.raises(LlmTraceError, match="returned NoneType"):
         embedded.run(FRANCE, patch={"embed": lambda t: None})
@@ -120,6 +121,6 @@ def test_patches_work_on_the_meta_device(tiny_meta):
     assert seen == [f"layers.{i}.attn.weighted_sum" for i in range(22)]
     assert trace.get("layers.21.attn.weighted_sum").op == "weights @ v [patched]"
     assert trace.shape("layers.21.attn.weighted_sum") == (1, 32, 6, 64)
-    out_of_range = r"'layers.22.resid_out' \(this model's layers are 0..21; close: "
+    out_of_range = r"'layers.22.resid_out' \(this trace has layers 0..21\)"
     with pytest.raises(LlmTraceError, match=out_of_range):
-        tiny_meta.forward(ids, patch={"layers.22.resid_out": lambda t: t})
+        tiny_meta.run(ids, keep_values=False, patch={"layers.22.resid_out": lambda t: t})

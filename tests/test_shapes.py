@@ -73,6 +73,7 @@ def test_kv_cache_memory_at_full_context():
     from llmtrace.kv_cache import KVCache
 
     c = Config.from_name("tinyllama-1.1b")
-    cache = KVCache(c.n_layers, c.max_positions, c.n_kv_heads, c.head_dim, device="meta",
-                    dtype=torch.float16)
-    assert cache.nbytes() == 2 * 22 * 2 * 2048 * 256 == 46_137_344
+    one = KVCache(c.max_positions, c.n_kv_heads, c.head_dim, device="meta", dtype=torch.float16)
+    assert c.n_layers * one.nbytes() == 2 * 22 * 2 * 2048 * 256 == 46_137_344
+    cache = meta_model(c).new_cache(c.max_positions)  # one KVCache per layer
+    assert len(cache) == 22 and cache[0].k.shape == (1, 2048, 4, 64)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from llmtrace import LlmTraceError, load_model
-from llmtrace.models import embedded_checkpoint
+from llmtrace.load import embedded_checkpoint
 from llmtrace.weights.hub import download, find_tinyllama
+from helpers import PROMPT
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def test_found_in_the_hf_cache(cached_tinyllama, embedded):
             load_model(choice)
     model = load_model(cached_tinyllama)
     assert model.source == str(cached_tinyllama)
-    ids = embedded.encode("The capital of France is")
+    ids = embedded.encode(PROMPT)
     assert torch.equal(model.run(ids, keep_values=False)[0], embedded.run(ids, keep_values=False)[0])
 
 

@@ -3,15 +3,16 @@
 import pytest
 
 from llmtrace.tokenize import display_piece
+from helpers import PROMPT
 
 
 def test_prompt_ids(embedded):
     tok = embedded.tokenizer
-    ids = tok.encode("The capital of France is")
+    ids = tok.encode(PROMPT)
     assert ids == [504, 3575, 282, 4649, 314]
     assert [tok.id_to_piece(i) for i in ids] == ["The", "Ġcapital", "Ġof", "ĠFrance", "Ġis"]
     assert tok.piece_to_id("ĠParis") == 7042 and display_piece(tok, 7042) == " Paris"
-    assert tok.decode(ids) == "The capital of France is"
+    assert tok.decode(ids) == PROMPT
     assert tok.encode("hi", bos=True)[0] == tok.bos_id == 1
 
 

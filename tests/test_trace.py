@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from llmtrace import LlmTraceError, Trace
+from helpers import PROMPT
 
 LAYER_OPS = [
     "attn_norm.mean_sq", "attn_norm", "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.q", "attn.k", "attn.v",
@@ -73,7 +74,7 @@ def test_macs_match_the_matmul_shapes(embedded, prompt_trace):
 
 
 def test_shapes_only_and_name_filters(embedded):
-    ids = embedded.encode("The capital of France is")
+    ids = embedded.encode(PROMPT)
     _, shapes = embedded.run(ids, keep_values=False)
     assert all(r.tensor is None for r in shapes) and shapes.nbytes() == 0
     _, filtered = embedded.run(ids, names="layers.*.attn.weights")
@@ -89,9 +90,10 @@ def test_shapes_only_and_name_filters(embedded):
 
 
 def test_table_and_compare(embedded):
-    from llmtrace import generate
+    from llmtrace import Tracing, generate
 
-    g = generate(embedded, "The capital of France is", max_new_tokens=2, keep_values=False)
+    g = generate(embedded, PROMPT, max_new_tokens=2,
+                 trace=Tracing(keep_values=False))
     prefill, decode = g.steps
     table = prefill.table(layers=1)
     assert "layers.0.attn.scores" in table and "[1, 9, 5, 5]" in table

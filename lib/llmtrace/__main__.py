@@ -69,7 +69,7 @@ def check_args(args) -> None:
     if args.shapes_only:
         shapes_config(args.model)
     else:
-        from .models import check_name, resolve
+        from .load import check_name, resolve
 
         check_name(resolve(args.model))
 
@@ -103,7 +103,7 @@ def run_shapes_only(args) -> dict:
 
         tok = llama_tokenizer()
     else:
-        from .models import load_model
+        from .load import load_model
 
         tok = load_model("embedded").tokenizer
     ids = torch.tensor([tok.encode(args.prompt)])  # [1, T]
@@ -115,16 +115,16 @@ def run_shapes_only(args) -> dict:
 
 
 def run_live(args) -> dict:
-    from .generate import generate
-    from .models import load_model
+    from .generate import Tracing, generate
+    from .load import load_model
     from .tokenize import display_piece
 
     model = load_model(args.model)
-    # the CLI prints the prefill's shapes and logits: no values, no later steps (flat memory)
+    # the CLI prints the prefill's shapes and logits: no values (but the lens's), no later steps
+    # (flat memory)
+    tracing = Tracing(keep_values=args.lens, names="layers.*.resid_out", steps=1)
     g = generate(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                 args.seed, keep_values=args.lens,
-                 names="layers.*.resid_out",  # values only for the lens
-                 first_step_only=True)
+                 args.seed, trace=tracing)
     tok = model.tokenizer
     out = {"model": model.name, "source": model.source, "config": model.config.to_dict(),
             "input_ids": g.prompt_ids,
@@ -155,6 +155,8 @@ def lens_report(model, trace, greedy: int) -> dict:
 
 def lens_text(lens: dict, pieces: list[str], width: int = 12) -> str:
     """Rows: layers; columns: positions; each cell the top token, then p of the greedy token."""
+    from .trace import format_rows
+
     def cell(piece):
         text = repr(piece)
         return text if len(text) <= width else text[: width - 1] + "…"
@@ -162,9 +164,7 @@ def lens_text(lens: dict, pieces: list[str], width: int = 12) -> str:
     header = ["layer"] + [cell(p) for p in pieces] + [f"p({lens['greedy_piece']!r})"]
     rows = [[str(i)] + [cell(p) for p in row] + [f"{lens['greedy_probs'][i]:.4f}"]
             for i, row in enumerate(lens["top_pieces"])]
-    widths = [max(len(r[j]) for r in [header] + rows) for j in range(len(header))]
-    lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in [header] + rows]
-    return "\n".join(lines)
+    return format_rows(header, rows, rule=False)
 
 
 def safe(text: str) -> str:

@@ -1,15 +1,18 @@
 """Self-attention with grouped-query attention (GQA), written out op by op.
 
-Shape comments give symbols, then TinyLlama's prefill numbers (B=1, T=6, H=32, KV=4, head_dim=64);
-S is the number of positions the cache holds after this step's write (S = T at prefill).
+Shape comments give symbols, then TinyLlama's prefill numbers (B=1, T=6, H=32, KV=4,
+head_dim=64); S is the number of positions the cache holds after this step's write (S = T at
+prefill).
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .rope import apply_rope
+from .errors import LlmTraceError
+from .rope import apply_rope, rope_cos_sin
 from .trace import NO_TRACE
 
 
@@ -23,22 +26,44 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def causal_mask(T: int, S: int, start: int, device=None) -> torch.Tensor:
-    """[T, S] additive mask: 0 where query i (at position start+i) may see key j, -inf elsewhere.
-
-    Once the cache holds `start` earlier positions, every query sees all of them: the mask is a
-    block of zeros [T, start] beside the usual triangle. A single decode query sees everything."""
+    """[T, S] additive mask: 0 where query i (at position start+i) may see key j, -inf
+    elsewhere. Once the cache holds `start` earlier positions, every query sees all of
+    them: the mask is a block of zeros [T, start] beside the usual triangle. A single
+    decode query sees everything."""
     blocked = torch.ones(T, S, dtype=torch.bool, device=device).triu(diagonal=start + 1)
     return torch.zeros(T, S, device=device).masked_fill(blocked, float("-inf"))
 
 
+@dataclass
+class Positions:
+    """What every layer of one pass shares: where its T tokens sit, and what follows."""
+    start: int  # the position of the pass's first token (the cache holds 0..start-1)
+    cos: torch.Tensor  # [T, head_dim]: RoPE tables
+    sin: torch.Tensor  # [T, head_dim]
+    mask: torch.Tensor  # [T, start + T]: `causal_mask`
+
+    @classmethod
+    def of(cls, start: int, T: int, config, device=None) -> "Positions":
+        if start + T > config.max_positions:
+            raise LlmTraceError(f"{start + T} positions exceed {config.name}'s context "
+                                f"of {config.max_positions}: shorten the prompt or "
+                                f"generate fewer tokens")
+        positions = torch.arange(start, start + T, device=device)  # [T]
+        cos, sin = rope_cos_sin(positions, config.head_dim,
+                                config.rope_theta)  # [T, hd] each
+        return cls(start, cos, sin, causal_mask(T, start + T, start, device))
+
+
 def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0):
-    """Scaled dot-product attention, step by step. q [..., T, d], k and v [..., S, d], mask [T, S].
-    Each query row scores every key, the mask removes the future, softmax turns scores into
-    weights that sum to 1, and the output is the weighted sum of the values."""
+    """Scaled dot-product attention, step by step. q [..., T, d], k and v [..., S, d],
+    mask [T, S]. Each query row scores every key, the mask removes the future, softmax
+    turns scores into weights that sum to 1, and the output is the weighted sum of the
+    values."""
     T, S, d = q.shape[-2], k.shape[-2], q.shape[-1]
     lead = math.prod(q.shape[:-2])  # batch x heads
     scores = q @ k.transpose(-2, -1) / math.sqrt(d)  # [B, H, T, S]  [1, 32, 6, 6]
-    scores = trace.record(f"{name}.scores", f"q @ k^T / sqrt({d})", scores, lead * T * S * d)
+    scores = trace.record(f"{name}.scores", f"q @ k^T / sqrt({d})", scores,
+                          lead * T * S * d)
     if mask is not None:
         what = f"0 where key <= query position, -inf after ({start} cached)"
         mask = trace.record(f"{name}.causal_mask", what, mask)  # [T, S]  [6, 6]
@@ -50,18 +75,19 @@ def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0):
                         weights @ v, lead * T * S * d)  # [B, H, T, d]
 
 
-def attention(x, w, config, cos, sin, mask, cache, layer, start, trace=NO_TRACE, name="attn"):
-    """x [B, T, D] -> [B, T, D]. cos, sin: RoPE tables [T, head_dim]; mask: `causal_mask` [T, S]."""
+def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="attn"):
+    """x [B, T, D] -> [B, T, D]. pos: this pass's positions (`Positions`); cache: this
+    layer's `KVCache`, or None to attend over this pass's own positions only."""
     B, T, D = x.shape
     H, KV, hd = config.n_heads, config.n_kv_heads, config.head_dim
 
     # Projections: Q for every query head, K and V for the (fewer) KV heads.
-    q = trace.record(f"{name}.q_proj", "x @ W_q^T",
-                     F.linear(x, w.q_proj), B * T * D * H * hd)  # [B, T, H*hd]  [1, 6, 2048]
-    k = trace.record(f"{name}.k_proj", "x @ W_k^T",
-                     F.linear(x, w.k_proj), B * T * D * KV * hd)  # [B, T, KV*hd]  [1, 6, 256]
-    v = trace.record(f"{name}.v_proj", "x @ W_v^T",
-                     F.linear(x, w.v_proj), B * T * D * KV * hd)  # [B, T, KV*hd]  [1, 6, 256]
+    q = trace.record(f"{name}.q_proj", "x @ W_q^T", F.linear(x, w.q_proj),
+                     B * T * D * H * hd)  # [B, T, H*hd]  [1, 6, 2048]
+    k = trace.record(f"{name}.k_proj", "x @ W_k^T", F.linear(x, w.k_proj),
+                     B * T * D * KV * hd)  # [B, T, KV*hd]  [1, 6, 256]
+    v = trace.record(f"{name}.v_proj", "x @ W_v^T", F.linear(x, w.v_proj),
+                     B * T * D * KV * hd)  # [B, T, KV*hd]  [1, 6, 256]
     q = trace.record(f"{name}.q", f"split into {H} heads",
                      q.view(B, T, H, hd))  # [B, T, H, hd]  [1, 6, 32, 64]
     k = trace.record(f"{name}.k", f"split into {KV} heads",
@@ -70,28 +96,34 @@ def attention(x, w, config, cos, sin, mask, cache, layer, start, trace=NO_TRACE,
                      v.view(B, T, KV, hd))  # [B, T, KV, hd]  [1, 6, 4, 64]
 
     # Position enters here, and only into Q and K: V carries content.
-    q = apply_rope(q, cos, sin, trace, f"{name}.rope_q")  # [B, T, H, hd]  [1, 6, 32, 64]
-    k = apply_rope(k, cos, sin, trace, f"{name}.rope_k")  # [B, T, KV, hd]  [1, 6, 4, 64]
+    q = apply_rope(q, pos.cos, pos.sin, trace,
+                   f"{name}.rope_q")  # [B, T, H, hd]  [1, 6, 32, 64]
+    k = apply_rope(k, pos.cos, pos.sin, trace,
+                   f"{name}.rope_k")  # [B, T, KV, hd]  [1, 6, 4, 64]
 
     # Write this step's K and V into the cache, read back every position so far.
+    start = pos.start
     if cache is not None:
-        k_all, v_all = cache.update(layer, start, k, v)  # [B, S, KV, hd]  [1, 6, 4, 64]
+        k_all, v_all = cache.update(start, k, v)  # [B, S, KV, hd]  [1, 6, 4, 64]
         where = f"write {start}:{start + T}, read 0:{start + T}"
-    else:  # no cache: this pass computed every position itself
+    elif start == 0:  # no cache: this pass computed every position itself
         k_all, v_all, where = k, v, f"no cache: this pass's {T} positions"
-    S = k_all.shape[1]
-    # what this pass reads flows on (a patch here changes the read, not what the cache stores)
+    else:
+        raise LlmTraceError(f"a pass starting at position {start} reads the earlier "
+                            f"ones from a KV cache: pass one, model.new_cache(...)")
+    # what this pass reads flows on (a patch here changes the read, not the cache)
     k_all = trace.record(f"{name}.kv_cache.k", f"K cache: {where}", k_all)
     v_all = trace.record(f"{name}.kv_cache.v", f"V cache: {where}", v_all)
 
     # Heads first, then GQA: repeat each KV head for the query heads that share it.
     q = q.transpose(1, 2)  # [B, H, T, hd]  [1, 32, 6, 64]
-    k_exp = repeat_kv(k_all.transpose(1, 2), config.n_rep)  # [B, H, S, hd]  [1, 32, 6, 64]
+    k_exp = repeat_kv(k_all.transpose(1, 2), config.n_rep)  # [B, H, S, hd]
     k_exp = trace.record(f"{name}.k_expanded", f"GQA: {KV} -> {H} heads", k_exp)
-    v_exp = repeat_kv(v_all.transpose(1, 2), config.n_rep)  # [B, H, S, hd]  [1, 32, 6, 64]
+    v_exp = repeat_kv(v_all.transpose(1, 2), config.n_rep)  # [B, H, S, hd]
     v_exp = trace.record(f"{name}.v_expanded", f"GQA: {KV} -> {H} heads", v_exp)
 
-    out = attend(q, k_exp, v_exp, mask, trace, name, start)  # [B, H, T, hd]  [1, 32, 6, 64]
+    out = attend(q, k_exp, v_exp, pos.mask, trace, name,
+                 start)  # [B, H, T, hd]  [1, 32, 6, 64]
 
     out = out.transpose(1, 2).reshape(B, T, H * hd)  # [B, T, H*hd]  [1, 6, 2048]
     out = trace.record(f"{name}.merged", "heads back side by side", out)

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 
 from .errors import LlmTraceError
+from .trace import _fmt_shape
 
 # One block, as data dependencies between the trace's records (names within layer N).
 # "x" is the block's input: the embedding for layer 0, the previous block's resid_out after.
@@ -54,8 +55,9 @@ LIT = 'style="filled,bold" fillcolor="#ffd54f" color="#e65100"'
 PLAIN = 'style="filled" fillcolor="#f5f5f5" color="#9e9e9e"'
 
 
-def _shape(trace, name: str) -> str:
-    return "[" + ", ".join(str(s) for s in trace.shape(name)) + "]"
+def _dot_text(text: str) -> str:
+    """Text for a quoted DOT string: backslashes and quotes escaped, one line."""
+    return str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
 
 
 def _lit(name: str, highlight) -> bool:
@@ -66,7 +68,7 @@ def machine_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
     """DOT text of the map for a prefill trace (any config, meta or real). `highlight` is a glob
     or a list of globs on the names of one block ("attn.rope_*", "mlp.*") or of the whole pass
     ("embed", "lm_head", "sample", "blocks"): the chapter's "you are here"."""
-    highlight = [highlight] if isinstance(highlight, str) else list(highlight)
+    highlight = [highlight] if isinstance(highlight, str) else list(highlight or ())
     layers = sorted({int(r.name.split(".")[1]) for r in trace if r.name.startswith("layers.")})
     if not layers:
         raise LlmTraceError("the trace holds no layers: map a forward pass's trace (model.run)")
@@ -77,7 +79,7 @@ def machine_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
            '  node [shape=box fontname="Helvetica" fontsize=11 margin="0.12,0.04" height=0.3];',
            '  edge [fontname="Courier" fontsize=9 color="#616161" fontcolor="#37474f"];']
     if title:
-        out.append(f'  label="{title}"; labelloc=t; fontname="Helvetica"; fontsize=13;')
+        out.append(f'  label="{_dot_text(title)}"; labelloc=t; fontname="Helvetica"; fontsize=13;')
 
     # the whole pass, top to bottom
     out.append('  subgraph cluster_pass { label="the whole pass"; fontname="Helvetica"; '
@@ -87,7 +89,7 @@ def machine_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
         out.append(f'    "p.{key}" [label="{text.format(L=L)}" {LIT if lit else PLAIN}];')
     for (a, _, rec), (b, _, _) in zip(PASS, PASS[1:]):
         label = {"prompt": "text", "last": f"[{V}]", "sample": "one id"}.get(a) \
-            or _shape(trace, rec.format(last=layers[-1]))
+            or _fmt_shape(trace.shape(rec.format(last=layers[-1])))
         out.append(f'    "p.{a}" -> "p.{b}" [label=" {label}"];')
     out.append('  }')
 
@@ -101,7 +103,7 @@ def machine_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
     for a, b in BLOCK_EDGES:
         src = "embed" if a == "x" else f"layers.0.{a}"
         style = ' style="dashed"' if (a, b) in RESIDUAL else ""
-        out.append(f'    "b.{a}" -> "b.{b}" [label=" {_shape(trace, src)}"{style}];')
+        out.append(f'    "b.{a}" -> "b.{b}" [label=" {_fmt_shape(trace.shape(src))}"{style}];')
     out.append('  }')
     out.append('  "p.blocks" -> "b.x" [style=dotted arrowhead=none color="#bdbdbd"];')
     out.append('}')

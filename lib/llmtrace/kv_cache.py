@@ -1,7 +1,9 @@
-"""The KV cache: K and V of every position seen so far, pre-allocated for the longest sequence.
+"""The KV cache: K and V of every position seen so far, one `KVCache` per layer, pre-allocated for
+the longest sequence (gpt-fast's layout).
 
 Prefill writes positions 0..T-1 and reads them straight back; each decode step writes one new
-position and reads all of them, so K and V of earlier tokens are never computed twice.
+position and reads all of them, so K and V of earlier tokens are never computed twice. The caller
+says where each step's tokens go (`input_pos`): the cache keeps no position of its own.
 """
 
 import torch
@@ -10,28 +12,28 @@ from .errors import LlmTraceError
 
 
 class KVCache:
-    def __init__(self, n_layers: int, max_len: int, n_kv_heads: int, head_dim: int, batch: int = 1,
+    """One layer's K and V: [B, max_len, KV, head_dim] each."""
+
+    def __init__(self, max_len: int, n_kv_heads: int, head_dim: int, batch: int = 1,
                  device="cpu", dtype=torch.float32):
         shape = (batch, max_len, n_kv_heads, head_dim)  # [B, max_len, KV, hd]  [1, 2048, 4, 64]
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.max_len = max_len
-        self.length = 0  # positions filled, set by the model after each forward pass
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
 
-    def update(self, layer: int, start: int, k: torch.Tensor,
+    def update(self, input_pos: int, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v ([B, T, KV, head_dim]) at positions start..start+T-1; read back
-        0..start+T-1."""
-        end = start + k.shape[1]
-        if end > self.max_len:
-            raise LlmTraceError(f"the KV cache holds {self.max_len} positions, this step needs "
-                                f"{end}: make it with model.new_cache({end}) or larger")
-        self.k[layer][:, start:end] = k
-        self.v[layer][:, start:end] = v
-        return (self.k[layer][:, :end],
-                self.v[layer][:, :end])  # [B, end, KV, head_dim]  [1, 7, 4, 64] at decode 1
+        """Write k, v ([B, T, KV, head_dim]) at positions input_pos..input_pos+T-1;
+        read back 0..input_pos+T-1."""
+        end = input_pos + k.shape[1]
+        if end > self.k.shape[1]:
+            raise LlmTraceError(f"the KV cache holds {self.k.shape[1]} positions, "
+                                f"this step needs {end}: make it with "
+                                f"model.new_cache({end}) or larger")
+        self.k[:, input_pos:end] = k
+        self.v[:, input_pos:end] = v
+        # [B, end, KV, hd] each  [1, 7, 4, 64] at decode 1
+        return self.k[:, :end], self.v[:, :end]
 
     def nbytes(self) -> int:
-        """Memory the cache holds: K and V of every layer at full length (on the meta device,
-        what it would hold)."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        """Memory this layer's cache holds at full length (on the meta device, what it would)."""
+        return self.k.numel() * self.k.element_size() * 2

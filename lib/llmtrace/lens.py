@@ -14,8 +14,8 @@ from .norm import rms_norm
 
 @torch.inference_mode()
 def logit_lens(model, trace, position: int = -1) -> torch.Tensor:
-    """Probabilities [n_layers, V] at `position`, from `layers.N.resid_out` of a trace with
-    values."""
+    """Probabilities [n_layers, V] at `position`, from `layers.N.resid_out` of a trace
+    with values."""
     w, c = model.weights, model.config
     resid = torch.stack([trace[f"layers.{i}.resid_out"][0, position]
                          for i in range(c.n_layers)])  # [L, D]

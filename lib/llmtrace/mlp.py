@@ -18,6 +18,7 @@ def swiglu(x: torch.Tensor, w, trace=NO_TRACE, name: str = "mlp") -> torch.Tenso
                       F.linear(x, w.up), B * T * D * Fsz)  # [B, T, F]  [1, 6, 5632]
     act = trace.record(f"{name}.act", "silu(gate) = gate * sigmoid(gate)",
                        F.silu(gate))  # [B, T, F]
-    gated = trace.record(f"{name}.gated", "silu(gate) * up", act * up)  # [B, T, F]  [1, 6, 5632]
+    gated = trace.record(f"{name}.gated", "silu(gate) * up",
+                         act * up)  # [B, T, F]  [1, 6, 5632]
     down = F.linear(gated, w.down)  # [B, T, D]  [1, 6, 2048]
     return trace.record(f"{name}.down", "gated @ W_down^T", down, B * T * Fsz * D)

@@ -7,21 +7,21 @@ runs on real fp32 weights (values) and on PyTorch's `meta` device (shapes only, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from . import memory
-from .attention import attention, causal_mask
-from .check import check_finite, check_ids, check_trace_budget
+from .attention import Positions, attention
+from .check import check_ids
 from .config import LAYER_TENSORS, MODEL_TENSORS, Config, expected_shapes, hf_name
 from .embed import embed
 from .errors import LlmTraceError
 from .kv_cache import KVCache
+from .memory import check_budget, keep_freed_memory_if_asked, needs_estimate
 from .mlp import swiglu
 from .norm import rms_norm
-from .rope import rope_cos_sin
 from .trace import NO_TRACE, Patched, Trace
 
 
@@ -72,6 +72,20 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
     return sd
 
 
+def block(x, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE,
+          name="layers.0") -> torch.Tensor:
+    """One block, pre-norm: h = x + attention(norm(x)), then h + mlp(norm(h))."""
+    eps = config.norm_eps
+    h = rms_norm(x, w.attn_norm, eps, trace, f"{name}.attn_norm")  # [B, T, D]
+    h = attention(h, w, config, pos, cache, trace, f"{name}.attn")  # [B, T, D]
+    x = trace.record(f"{name}.resid_mid", "x + attn(attn_norm(x))",
+                     x + h)  # [B, T, D]  [1, 6, 2048]
+    h = rms_norm(x, w.mlp_norm, eps, trace, f"{name}.mlp_norm")  # [B, T, D]
+    h = swiglu(h, w, trace, f"{name}.mlp")  # [B, T, D]
+    return trace.record(f"{name}.resid_out", "h + mlp(mlp_norm(h))",
+                        x + h)  # [B, T, D]  [1, 6, 2048]
+
+
 class Model:
     def __init__(self, config: Config, weights: Weights, tokenizer=None, source: str = ""):
         self.config = config
@@ -91,55 +105,31 @@ class Model:
     def is_meta(self) -> bool:
         return self.device.type == "meta"
 
-    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
-        c = self.config
-        return KVCache(c.n_layers, max_len, c.n_kv_heads, c.head_dim, batch, self.device,
-                       self.weights.embed.dtype)
+    def new_cache(self, max_len: int, batch: int = 1) -> list[KVCache]:
+        """One `KVCache` per layer, for sequences up to max_len positions."""
+        c, dtype = self.config, self.weights.embed.dtype
+        return [KVCache(max_len, c.n_kv_heads, c.head_dim, batch, self.device, dtype)
+                for _ in range(c.n_layers)]
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, trace=NO_TRACE, cache: KVCache | None = None,
-                start: int = 0, patch: dict | None = None) -> torch.Tensor:
-        """ids [B, T] at positions start..start+T-1 -> logits [B, T, V]. With a cache, K and V of
-        positions before `start` are read from it; without one, `start` must be 0.
-        patch: {name or glob: fn} changes those operations' outputs as they flow on (`Patched`)."""
-        if patch:
-            patched = Patched(patch, trace)
-            logits = self.forward(ids, patched, cache, start)  # [B, T, V]
-            patched.check_all_matched()
-            return logits
+    def forward(self, ids: torch.Tensor, trace=NO_TRACE,
+                cache: list[KVCache] | None = None, start: int = 0) -> torch.Tensor:
+        """ids [B, T] at positions start..start+T-1 -> logits [B, T, V]. With a cache
+        (one KVCache per layer), K and V of the positions before `start` come from it.
+        To patch operations, pass a `Patched` trace (or use `run`)."""
         c, w = self.config, self.weights
-        B, T = ids.shape
-        if start + T > c.max_positions:
-            raise LlmTraceError(f"{start + T} positions exceed {c.name}'s context of "
-                                f"{c.max_positions}: shorten the prompt or lower max_new_tokens")
-        if cache is None and start:
-            raise LlmTraceError("start > 0 needs a KV cache holding the earlier positions")
-        ids = ids.to(self.device)
+        ids = check_ids(ids, c.vocab_size, batch=True).to(self.device)  # [B, T]
+        pos = Positions.of(start, ids.shape[1], c, self.device)  # shared by every layer
 
         x = embed(ids, w.embed, trace)  # [B, T, D]  [1, 6, 2048]
-        positions = torch.arange(start, start + T, device=self.device)  # [T]
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)  # [T, head_dim] each
-        mask = causal_mask(T, start + T, start, self.device)  # [T, S]: the same for every layer
-
         for i, lw in enumerate(w.layers):
-            p = f"layers.{i}"
-            h = rms_norm(x, lw.attn_norm, c.norm_eps, trace, f"{p}.attn_norm")  # [B, T, D]
-            h = attention(h, lw, c, cos, sin, mask, cache, i, start,
-                          trace, f"{p}.attn")  # [B, T, D]
-            x = trace.record(f"{p}.resid_mid", "x + attn(attn_norm(x))",
-                             x + h)  # [B, T, D]  [1, 6, 2048]
-            h = rms_norm(x, lw.mlp_norm, c.norm_eps, trace, f"{p}.mlp_norm")  # [B, T, D]
-            h = swiglu(h, lw, trace, f"{p}.mlp")  # [B, T, D]
-            x = trace.record(f"{p}.resid_out", "h + mlp(mlp_norm(h))",
-                             x + h)  # [B, T, D]  [1, 6, 2048]
-
-        if cache is not None:
-            cache.length = start + T
-        x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm")  # [B, T, D]  [1, 6, 2048]
+            layer_cache = None if cache is None else cache[i]
+            x = block(x, lw, c, pos, layer_cache, trace, f"layers.{i}")  # [B, T, D]
+        x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm")  # [B, T, D]
         logits = F.linear(x, w.lm_head)  # [B, T, V]  [1, 6, 32000]
         head = "tied: embed_tokens" if c.tied_lm_head else "lm_head"
-        return trace.record("lm_head", f"x @ W^T ({head})", logits,
-                            B * T * c.hidden_size * c.vocab_size)
+        macs = x.shape[0] * x.shape[1] * c.hidden_size * c.vocab_size
+        return trace.record("lm_head", f"x @ W^T ({head})", logits, macs)
 
     def encode(self, prompt: str, bos: bool | None = None) -> torch.Tensor:
         if not isinstance(prompt, str):
@@ -151,25 +141,26 @@ class Model:
                                 "pass token ids instead of text")
         return torch.tensor([self.tokenizer.encode(prompt, bos=bos)])  # [1, T]
 
+    def ids(self, prompt) -> torch.Tensor:
+        """A prompt as ids [1, T]: text is encoded, ids are checked."""
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        return check_ids(prompt, self.config.vocab_size)
+
     def run(self, prompt: str | torch.Tensor, keep_values: bool = True, names=None,
-            keep_freed_memory: bool = True,
             patch: dict | None = None) -> tuple[torch.Tensor, Trace]:
         """One traced forward pass over the prompt (a string or ids [1, T]): (logits, trace).
-        patch: {name or glob: fn}, see `forward`; the trace records what flowed on.
-
-        keep_freed_memory: when the trace keeps values, first ask glibc, once per process, to keep
-        the memory a dropped trace frees (`memory.keep_freed_memory`), so the next traced pass
-        reuses it instead of having the kernel fault it in again, page by page (1.2-1.4x slower at
-        256 tokens without it). The process then keeps its peak memory. False leaves malloc be."""
-        V = self.config.vocab_size
-        ids = self.encode(prompt) if isinstance(prompt, str) else check_ids(prompt, V)  # [1, T]
-        if keep_values and names is None:
-            check_trace_budget(self.config, ids.shape[1])
-        if keep_values and keep_freed_memory:
-            memory.keep_freed_memory()
+        keep_values and names choose what the trace keeps (see `Trace`).
+        patch: {name or glob: fn} changes those operations' outputs as they flow on (`Patched`);
+        the trace records what flowed on."""
+        ids = self.ids(prompt)  # [1, T]
         trace = Trace(keep_values=keep_values, names=names, label="prefill")
-        cache = self.new_cache(ids.shape[1])
-        logits = self.forward(ids, trace, cache, patch=patch)  # [1, T, V]
+        check_trace_budget(self.config, trace, ids.shape[1])
+        flow = Patched(patch, trace, self.config.vocab_size) if patch is not None else trace
+        logits = self.forward(ids, flow, self.new_cache(ids.shape[1]))  # [1, T, V]
+        if patch is not None:
+            flow.check_all_matched()
+        trace.check_names_matched()
         check_finite(self, ids, logits, trace, patch)
         return logits, trace
 
@@ -202,5 +193,83 @@ def trace_shapes(config: Config | str, prompt: int | torch.Tensor = 6, decode_st
     model.forward(ids, traces[0], cache, start=0)
     for step in range(1, decode_steps + 1):
         traces.append(Trace(keep_values=False, label=f"decode {step}"))
-        model.forward(torch.zeros(B, 1, dtype=torch.long), traces[-1], cache, start=cache.length)
+        next_id = torch.zeros(B, 1, dtype=torch.long)  # [B, 1]
+        model.forward(next_id, traces[-1], cache, start=T + step - 1)
     return traces
+
+
+# --- what a trace will hold, and numbers that stop being finite ------------------------------
+BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "bool": 1}
+
+
+def trace_bytes(config: Config, trace: Trace, T: int, decode_steps: int = 0) -> int:
+    """Bytes the kept values of a prefill of T positions and `decode_steps` one-token steps would
+    hold, counted from a shapes-only pass on the meta device (each decode step counted as the
+    last, the largest). Views are counted as if they were copies: an upper bound."""
+    def kept(t: Trace) -> int:
+        return sum(BYTES.get(r.dtype, 4) * math.prod(r.shape) for r in t if trace.keeps(r.name))
+
+    prefill, *decode = trace_shapes(config, T, decode_steps=0)
+    need = kept(prefill)
+    if decode_steps:
+        last = Trace(keep_values=False)
+        model = meta_model(config)
+        S = T + decode_steps
+        model.forward(torch.zeros(1, 1, dtype=torch.long), last, model.new_cache(S), S - 1)
+        need += decode_steps * kept(last)
+    return need
+
+
+def check_trace_budget(config: Config, trace, T: int, decode_steps: int = 0) -> None:
+    """Refuse, before running, a trace whose kept values would not fit the memory budget
+    (`memory`); opt into keeping freed memory if asked."""
+    if not isinstance(trace, Trace) or not trace.keep_values:
+        return
+    if needs_estimate(T + decode_steps, config.n_layers):
+        check_budget(trace_bytes(config, trace, T, decode_steps), T)
+    keep_freed_memory_if_asked()
+
+
+MAY_HOLD_MINUS_INF = ("causal_mask", "masked_scores")  # -inf there is the mask, by design
+
+
+def not_finite(name: str, t: torch.Tensor) -> bool:
+    if not t.is_floating_point():
+        return False
+    if name.rsplit(".", 1)[-1] in MAY_HOLD_MINUS_INF:
+        return bool(torch.isnan(t).any() or torch.isposinf(t).any())
+    return not bool(torch.isfinite(t).all())
+
+
+def first_not_finite(trace: Trace) -> str | None:
+    """The name of the first record (in the order the ops ran) whose tensor holds NaN or inf."""
+    for r in trace.records:
+        if r.tensor is not None and not_finite(r.name, r.tensor):
+            return r.name
+    return None
+
+
+def check_finite(model: Model, ids, logits: torch.Tensor, trace=None, patch=None) -> None:
+    """Logits with NaN or inf must never be sampled from or printed; neither must logits that are
+    the same for every token, which is what a norm makes of a residual stream that overflowed
+    (x^2 is inf, so x / sqrt(inf) is 0). Then name the first operation whose output is not
+    finite: from the trace if it kept every value, else from a fresh pass that keeps them."""
+    if logits.device.type == "meta":
+        return
+    rows = logits.reshape(-1, logits.shape[-1])  # [N, V]
+    broken = not math.isfinite(float(rows.sum())) and not bool(torch.isfinite(rows).all())
+    flat = bool((rows.amax(-1) == rows.amin(-1)).any())  # cheap: one pass each
+    if not broken and not flat:
+        return
+    full = trace if isinstance(trace, Trace) and trace.keep_values and trace.keeps_all else None
+    if full is None:
+        full = Trace(keep_values=True, label="finite check")
+        flow = Patched(patch, full, model.config.vocab_size) if patch is not None else full
+        model.forward(torch.as_tensor(ids).reshape(1, -1), flow)  # [1, T]
+    where = first_not_finite(full) or ("lm_head" if broken else None)
+    if where is None:
+        return  # logits the same for every token, but every number finite: what the model says
+    c = model.config
+    raise LlmTraceError(f"{model.name}: the output of {where} is not finite (NaN or inf), so the "
+                        f"logits cannot be trusted: check the weights that op reads, any patch, "
+                        f"and the config (rope_theta={c.rope_theta:g}, norm_eps={c.norm_eps:g})")

@@ -12,8 +12,10 @@ from .trace import NO_TRACE
 
 
 def rope_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
-    """freq_i = theta^(-2i / head_dim) for each of the head_dim/2 pairs: 1.0 first, slowest last."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    """freq_i = theta^(-2i / head_dim) for each of the head_dim/2 pairs: 1.0 first,
+    slowest last."""
+    pairs = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device)  # [hd/2]
+    exponents = pairs.float() / head_dim
     return 1.0 / theta**exponents  # [head_dim/2]  [32]
 
 
@@ -28,7 +30,8 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int,
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (a, b) -> (-b, a) for every pair
+    # (a, b) -> (-b, a) for every pair
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, trace=NO_TRACE,
@@ -36,7 +39,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, trace=NO_T
     """x: [B, T, n_heads, head_dim]. Rotates each pair (x[d], x[d+half]) by its angle:
     x[d]      -> x[d] cos - x[d+half] sin
     x[d+half] -> x[d+half] cos + x[d] sin"""
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, head_dim]: the same angle for every head
+    # [T, 1, head_dim] each: the same angle for every head
+    cos, sin = cos[:, None, :], sin[:, None, :]
     out = x * cos + rotate_half(x) * sin  # [B, T, n_heads, head_dim]  [1, 6, 32, 64]
     return trace.record(name, "rotate pairs (d, d+head_dim/2) by position * freq", out)
 

@@ -1,7 +1,9 @@
-"""From the last position's logits to one token id: temperature, top-k, top-p, a seeded draw.
+"""From the last position's logits to one token id, in the order HF transformers' logits warpers
+and llama.cpp's sampler chain apply them: temperature, then top-k, then top-p on what top-k left
+(renormalized), then a seeded draw.
 
-Every step is recorded under `sample.*`, so a reader can follow the cumulative-sum walk of top-p
-with the real probabilities.
+Every step is recorded under `sample.*`, most likely token first, so a reader can follow the
+top-p walk with the real probabilities.
 """
 
 from __future__ import annotations
@@ -9,15 +11,15 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
+from .check import check_int, check_real, check_seed
 from .errors import LlmTraceError
 from .trace import NO_TRACE
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None,
                    seed: int = 0) -> None:
-    from .check import check_int, check_real, check_seed
-
     if temperature is None or check_real("temperature", temperature) < 0:
         raise LlmTraceError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
     if top_k is not None and check_int("top_k", top_k) < 1:
@@ -25,6 +27,26 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None,
     if top_p is not None and not 0 < check_real("top_p", top_p) <= 1:
         raise LlmTraceError(f"top_p must be in (0, 1] (1 keeps everything), got {top_p}")
     check_seed(seed)
+
+
+def check_logits(logits) -> None:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 1 \
+            or not logits.is_floating_point():
+        got = (f"{str(logits.dtype).removeprefix('torch.')} {list(logits.shape)}"
+               if isinstance(logits, torch.Tensor) else type(logits).__name__)
+        raise LlmTraceError(f"sample takes the logits of one position, a float tensor [V], "
+                            f"got {got}")
+    if logits.numel() == 0:
+        raise LlmTraceError("the logits are empty: there is no token to sample; pass the "
+                            "logits of one position, [V] with V the vocabulary size")
+    if logits.device.type == "meta":
+        raise LlmTraceError("the logits are on the meta device (shapes, no values): there is "
+                            "nothing to sample from; load a model with weights")
+    if not math.isfinite(float(logits.sum())) and (  # one cheap pass; the exact look if needed
+            torch.isnan(logits).any() or torch.isposinf(logits).any()
+            or torch.isneginf(logits).all()):
+        raise LlmTraceError("the logits hold NaN or +inf (or are all -inf): there is nothing to "
+                            "sample from; check the model's output first")
 
 
 def scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -44,44 +66,61 @@ def scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
            top_p: float | None = None, generator: torch.Generator | None = None,
            trace=NO_TRACE) -> int:
-    """logits: [V] for the last position. temperature 0 is greedy (the argmax)."""
+    """logits [V] of the last position -> one token id. temperature 0 is greedy (the
+    argmax); else temperature, top-k and top-p shape the distribution (`warp`), and a
+    seeded draw picks from it."""
     check_sampling(temperature, top_k, top_p)
-    if logits.dim() != 1 or not logits.is_floating_point():
-        raise LlmTraceError(f"sample takes the logits of one position, a float tensor [V], "
-                            f"got {str(logits.dtype).removeprefix('torch.')} {list(logits.shape)}")
-    if not math.isfinite(float(logits.sum())) and (  # one cheap pass; the exact look if needed
-            torch.isnan(logits).any() or torch.isposinf(logits).any()
-            or torch.isneginf(logits).all()):
-        raise LlmTraceError("the logits hold NaN or +inf (or are all -inf): there is nothing to "
-                            "sample from; check the model's output first")
+    check_logits(logits)
+    probs = warp(logits, temperature, top_k, top_p, trace)  # [V], 0 where not kept
+    return draw(probs, generator, trace)
+
+
+def warp(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+         top_p: float | None = None, trace=NO_TRACE) -> torch.Tensor:
+    """logits [V] -> the distribution a token is drawn from, [V], as HF's warpers make
+    it: divide by the temperature; keep the top k logits; keep the most likely of those
+    until they hold top_p of their own (renormalized) mass; renormalize what is kept."""
     logits = trace.record("sample.logits", "logits at the last position",
                           logits.float())  # [V]  [32000]
     if temperature == 0:
-        trace.record("sample.probs", "softmax(logits), for display: greedy takes the argmax",
+        trace.record("sample.probs", "softmax(logits), shown: greedy takes the argmax",
                      torch.softmax(logits, -1))  # [V]
-        return int(trace.record("sample.token", "argmax", logits.argmax()).item())
-
+        return F.one_hot(logits.argmax(), len(logits)).float()  # [V]: all on the argmax
     scaled = trace.record("sample.scaled", f"logits / {temperature:g}",
                           scale(logits, temperature))  # [V]
     probs = trace.record("sample.probs", "softmax(scaled)",
                          torch.softmax(scaled, -1))  # [V], sums to 1
-    sorted_probs, sorted_ids = probs.sort(descending=True)  # [V] each, most likely first
-    trace.record("sample.sorted_ids", "token ids by probability, descending", sorted_ids)
-    trace.record("sample.sorted_probs", "probabilities, descending", sorted_probs)
-    cumsum = trace.record("sample.cumsum", "cumulative sum of sorted probabilities",
-                          sorted_probs.cumsum(-1))  # [V]
-    keep = torch.ones_like(sorted_probs, dtype=torch.bool)  # [V]
-    if top_k is not None:
-        keep[top_k:] = False
+    up = scaled.sort(stable=True)  # [V] each, least likely first, as HF's top-p walks
+    sorted_ids = trace.record("sample.sorted_ids", "token ids, most likely first",
+                              up.indices.flip(0))  # [V]
+    trace.record("sample.sorted_probs", "probabilities, descending", probs[sorted_ids])
+
+    keep = torch.ones_like(up.values, dtype=torch.bool)  # [V], least likely first
+    if top_k is not None:  # 1. top-k: the k largest logits, and any tied with the k-th
+        keep = up.values >= up.values[-min(top_k, len(up.values))]
+    # 2. top-p walks what top-k kept, renormalized
+    renorm = up.values.masked_fill(~keep, -math.inf).softmax(-1)  # [V], least first
+    trace.record("sample.cumsum", "cumulative sum of what top-k kept, renormalized",
+                 renorm.flip(0).cumsum(-1))  # [V], most likely first
     if top_p is not None:
-        # keep the smallest prefix whose mass reaches top_p:
-        # drop a token once the mass before it is past p
-        keep &= (cumsum - sorted_probs) <= top_p
-    trace.record("sample.kept", f"kept: top_k={top_k}, top_p={top_p}", keep)
-    kept_probs = sorted_probs * keep
-    kept_probs = trace.record("sample.filtered_probs", "kept probabilities, renormalized",
-                              kept_probs / kept_probs.sum())  # [V], zero past the kept prefix
-    choice = torch.multinomial(kept_probs, 1,
-                               generator=generator)  # [1]: a position in the sorted order
-    return int(trace.record("sample.token", "seeded multinomial draw",
-                            sorted_ids[choice][0]).item())
+        # drop the least likely tokens while they, with all below, hold <= 1 - top_p
+        below = renorm.cumsum(-1)  # [V]: the mass of a token and every less likely one
+        keep &= below > 1 - top_p
+        keep[-1] = True  # the most likely token always stays (min_tokens_to_keep = 1)
+    keep = trace.record("sample.kept", f"kept: top_k={top_k}, top_p={top_p}",
+                        keep.flip(0))  # [V], most likely first
+    drop = torch.ones_like(keep).scatter(0, sorted_ids, ~keep)  # [V], vocabulary order
+    out = torch.softmax(scaled.masked_fill(drop, -math.inf), -1)  # [V], renormalized
+    trace.record("sample.filtered_probs", "kept probabilities, renormalized",
+                 out[sorted_ids])  # [V], most likely first, 0 past the kept ones
+    return out
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None,
+         trace=NO_TRACE) -> int:
+    """One token id from probs [V]: a seeded draw (the argmax if one holds it all)."""
+    if float(probs.max()) == 1.0:  # greedy, or one token kept: nothing to draw
+        return int(trace.record("sample.token", "argmax", probs.argmax()).item())
+    choice = torch.multinomial(probs, 1, generator=generator)  # [1]: a token id
+    token = trace.record("sample.token", "seeded multinomial draw", choice[0])
+    return int(token.item())

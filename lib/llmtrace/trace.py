@@ -42,13 +42,21 @@ class Record:
                 "macs": self.macs}
 
 
-def _name_filter(names) -> Callable[[str], bool]:
+def _name_filter(names) -> tuple[Callable[[str], bool], list[str]]:
+    """(keep, globs): which names keep their tensor, and the globs to account for after a pass."""
     if names is None:
-        return lambda name: True
+        return (lambda name: True), []
     if callable(names):
-        return names
-    patterns = [names] if isinstance(names, str) else list(names)
-    return lambda name: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+        return names, []
+    patterns = [names] if isinstance(names, str) else names
+    if not isinstance(patterns, (list, tuple, set, frozenset)) \
+            or not all(isinstance(p, str) for p in patterns):
+        raise LlmTraceError(f"names must be a glob, a list of globs or a function of the name, "
+                            f"got {type(names).__name__}: e.g. names='layers.*.attn.weights'")
+    patterns = list(patterns)
+    exact = {p for p in patterns if not _is_glob(p)}
+    globs = [re.compile(fnmatch.translate(p)) for p in patterns if _is_glob(p)]
+    return (lambda name: name in exact or any(g.match(name) for g in globs)), patterns
 
 
 class Trace:
@@ -60,8 +68,11 @@ class Trace:
     """
 
     def __init__(self, keep_values: bool = True, names=None, label: str = ""):
+        if not isinstance(keep_values, bool):
+            raise LlmTraceError(f"keep_values must be True or False, got {keep_values!r}")
         self.keep_values = keep_values
-        self._keep = _name_filter(names)
+        self._keep, self._patterns = _name_filter(names)
+        self.keeps_all = names is None  # every record keeps its tensor (if keep_values)
         self.label = label
         self.records: list[Record] = []
         self._index: dict[str, Record] = {}
@@ -84,10 +95,20 @@ class Trace:
     def __contains__(self, name: str) -> bool:
         return name in self._index
 
+    def keeps(self, name: str) -> bool:
+        """Would a record of this name keep its tensor?"""
+        return self.keep_values and self._keep(name)
+
+    def check_names_matched(self) -> None:
+        """After a pass: each name or glob of `names` must have matched a record."""
+        missed = [p for p in self._patterns if not self.find(p)]
+        if missed:
+            raise LlmTraceError(f"names matching no record of the pass: "
+                                f"{'; '.join(f'{p!r}{suggest(p, self.names)}' for p in missed)}"
+                                f": use the trace's names (trace.names)")
+
     def get(self, name: str) -> Record:
         if not isinstance(name, str) or name not in self._index:
-            from .check import suggest
-
             hint = suggest(name, self.names)  # the closest names, from the same layer
             raise LlmTraceError(f"no record named {name!r} in this trace{hint}")
         return self._index[name]
@@ -107,6 +128,9 @@ class Trace:
 
     def find(self, pattern: str) -> list[Record]:
         """Records whose name matches a glob: `trace.find("layers.*.attn.scores")`."""
+        if not isinstance(pattern, str):
+            raise LlmTraceError(f"find takes a glob on the records' names, got "
+                                f"{type(pattern).__name__}: e.g. trace.find('layers.*.attn.q')")
         return [r for r in self.records if fnmatch.fnmatchcase(r.name, pattern)]
 
     def layer(self, i: int) -> list[Record]:
@@ -137,6 +161,10 @@ class Trace:
         too long for its column continues on the next line. `layers=1` shows the first layer in
         full and folds the rest into one line, as the seed's diagram does. The dtype most tensors
         share is said once, under the table; any other dtype follows its tensor's shape."""
+        if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int)
+                                   or layers < 1):
+            raise LlmTraceError(f"layers must be a whole number of layers, at least 1, got "
+                                f"{layers!r}: layers=1 shows the first layer in full")
         rows = self.records if pattern is None else self.find(pattern)
         common = Counter(r.dtype for r in rows).most_common(1)[0][0] if rows else None
         lines, folded = [], 0
@@ -152,7 +180,7 @@ class Trace:
                 if n_layers > layers:
                     lines.append((f"layers.{layers}..{n_layers - 1}",
                                   f"same ops, {n_layers - layers} more layers", "", ""))
-        table = _format_rows(("name", "op", "shape", "MACs"), lines, wrap=1)
+        table = format_rows(("name", "op", "shape", "MACs"), lines, wrap=1)
         if common is None:
             return table
         if all(r.dtype == common for r in rows):
@@ -172,7 +200,7 @@ class Trace:
                    "" if o and o.shape == r.shape else "*")
             lines.append(row if mark else row[:3])
         left, right = self.label or "this", other.label or "other"
-        return _format_rows(("name", left, right, "differs")[: 4 if mark else 3], lines)
+        return format_rows(("name", left, right, "differs")[: 4 if mark else 3], lines)
 
     def to_dicts(self) -> list[dict]:
         return [r.to_dict() for r in self.records]
@@ -196,79 +224,122 @@ NO_TRACE = _NoTrace()
 class Patched:
     """A trace that changes named tensors as they flow on: `{name_or_glob: fn}`.
 
-    `fn(tensor)` or `fn(tensor, name)` receives the output of each operation whose name matches,
-    and returns the tensor that flows on to the next operation (same shape); the wrapped trace
-    records what flowed on, its op marked "[patched]". Return a new tensor: changing one in place
-    also changes the records that share its memory (`q` is a view of `q_proj`; every layer reads the
-    same `causal_mask`). After the pass, `check_all_matched` refuses a name that matched nothing.
+    `fn(tensor)` or `fn(tensor, name)` receives the output of each operation whose name matches
+    (the first key that matches, in the dict's order), and returns the tensor that flows on to the
+    next operation: same shape, dtype and device. The wrapped trace records what flowed on, its op
+    marked "[patched]". Return a new tensor: changing one in place also changes the records that
+    share its memory (`q` is a view of `q_proj`; every layer reads the same `causal_mask`). After
+    the pass, `check_all_matched` refuses a key that changed nothing.
     """
 
-    def __init__(self, patch: dict, trace=NO_TRACE):
+    def __init__(self, patch: dict, trace=NO_TRACE, vocab_size: int | None = None):
         if not isinstance(patch, dict) or not all(isinstance(k, str) and callable(f)
                                                   for k, f in patch.items()):
             raise LlmTraceError("patch must be a dict {name or glob: function}, e.g. "
                                 "{'layers.3.resid_out': lambda t: t * 0}")
         self.trace = trace
-        self._fns = {name: (fn, _takes_name(fn)) for name, fn in patch.items()}
-        self._exact = {n for n in patch if not _is_glob(n)}
-        self._globs = [(re.compile(fnmatch.translate(g)), g) for g in patch if _is_glob(g)]
-        self._matched: set[str] = set()
+        self.vocab_size = vocab_size  # to check patched token ids
+        self._fns = {name: (fn, _arity(name, fn)) for name, fn in patch.items()}
+        self._keys = [(re.compile(fnmatch.translate(k)), k) for k in patch]
+        self._used: set[str] = set()  # keys that patched an operation
+        self._shadowed: dict[str, str] = {}  # key -> the earlier key that took its operation
         self._seen: list[str] = []
 
     def _key(self, name: str) -> str | None:
-        if name in self._exact:
-            return name
-        return next((g for pattern, g in self._globs if pattern.match(name)), None)
+        matches = [k for pattern, k in self._keys if pattern.match(name)]
+        for later in matches[1:]:
+            self._shadowed.setdefault(later, matches[0])
+        return matches[0] if matches else None
 
     def record(self, name: str, op: str, tensor: torch.Tensor, macs: int = 0) -> torch.Tensor:
         self._seen.append(name)
         key = self._key(name)
         if key is not None:
-            fn, takes_name = self._fns[key]
-            out = fn(tensor, name) if takes_name else fn(tensor)
-            if not isinstance(out, torch.Tensor) or out.shape != tensor.shape:
-                got = _fmt_shape(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                raise LlmTraceError(f"the patch for {name!r} returned {got}, not a tensor of the "
-                                    f"op's shape {_fmt_shape(tensor.shape)}: return what flows on")
-            self._matched.add(key)
+            fn, arity = self._fns[key]
+            out = fn(tensor, name) if arity == 2 else fn(tensor)
+            self._check(name, tensor, out)
+            self._used.add(key)
             tensor, op = out, f"{op} [patched]"
         return self.trace.record(name, op, tensor, macs)
 
+    def _check(self, name: str, before: torch.Tensor, out) -> None:
+        """What a patch returns flows on: it must be what the next operation can read."""
+        want = f"{_fmt_shape(before.shape)} {_dtype_name(before.dtype)} on {before.device.type}"
+        if isinstance(out, torch.Tensor):
+            got = f"{_fmt_shape(out.shape)} {_dtype_name(out.dtype)} on {out.device.type}"
+        else:
+            got = type(out).__name__
+        if got != want:
+            raise LlmTraceError(f"the patch for {name!r} returned {got}, not the op's {want}: "
+                                f"return a tensor like the one it received")
+        if self.vocab_size is not None and not before.is_floating_point() \
+                and out.device.type != "meta" and out.numel():
+            low, high = int(out.min()), int(out.max())
+            if low < 0 or high >= self.vocab_size:
+                raise LlmTraceError(f"the patch for {name!r} returned token id "
+                                    f"{low if low < 0 else high}, outside the vocabulary "
+                                    f"(0 .. {self.vocab_size - 1}): return ids the model knows")
+
     def check_all_matched(self) -> None:
-        """After a pass: every name or glob of the patch must have matched an operation."""
-        missed = [k for k in self._fns if k not in self._matched]
+        """After a pass: every name or glob of the patch must have patched an operation."""
+        missed = [k for k in self._fns if k not in self._used]
         if not missed:
             return
-        # the names this pass recorded, and the same with any layer number as a glob
-        globbed = [re.sub(r"^layers\.\d+\.", "layers.*.", n) for n in self._seen]
-        known = list(dict.fromkeys(self._seen + globbed))
-        layers = {int(m[1]) for n in self._seen if (m := re.match(r"layers\.(\d+)\.", n))}
         hints = []
         for k in missed:
-            notes = []
-            if layers and (m := re.match(r"layers\.(\d+)\.", k)) and int(m[1]) not in layers:
-                notes.append(f"this model's layers are 0..{max(layers)}")
-            close = difflib.get_close_matches(k, known, n=3, cutoff=0.6)
-            if close:
-                notes.append(f"close: {', '.join(close)}")
-            hints.append(f"{k!r}" + (f" ({'; '.join(notes)})" if notes else ""))
-        raise LlmTraceError(f"patch names matching no operation of the forward pass: "
+            if k in self._shadowed:
+                hints.append(f"{k!r} (every operation it matches was taken by the earlier "
+                             f"{self._shadowed[k]!r}: put the narrower key first)")
+            else:
+                hints.append(f"{k!r}{suggest(k, self._seen)}")
+        raise LlmTraceError(f"patch keys that changed no operation of the pass: "
                             f"{'; '.join(hints)}: use the trace's names (model.run(...)[1].names)")
+
+
+def suggest(name, names: list[str]) -> str:
+    """' (did you mean ...?)' for a name or glob not found among `names`: the closest names of the
+    same layer, or the layers there are. The one "did you mean" of the library."""
+    if not isinstance(name, str):
+        return (": look a record up by its name, e.g. trace['layers.0.attn.q'] "
+                "(trace.records[i] is the i-th one)")
+    layers = sorted({int(m[1]) for n in names if (m := re.match(r"layers\.(\d+)\.", n))})
+    m = re.match(r"layers\.(\d+)\.", name)
+    pool = list(dict.fromkeys(names + [re.sub(r"^layers\.\d+\.", "layers.*.", n)
+                                       for n in names]))
+    if m:
+        layer = int(m[1])
+        if m[1] != str(layer) and layer in layers:
+            right = f"layers.{layer}.{name[m.end():]}"
+            return f" (layer numbers have no leading zero: {right!r})"
+        if layer not in layers:
+            return f" (this trace has {f'layers 0..{layers[-1]}' if layers else 'no layers'})"
+        pool = [n for n in names if n.startswith(m[0])]
+    close = difflib.get_close_matches(name, pool, n=3, cutoff=0.5)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+def _arity(key: str, fn) -> int:
+    """2 when fn takes (tensor, name), 1 when it takes (tensor); anything else is refused."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature get the tensor only
+        return 1
+    for arity in (2, 1):
+        try:
+            sig.bind(*range(arity))
+        except TypeError:
+            continue
+        required = [p for p in sig.parameters.values() if p.default is p.empty
+                    and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if arity == 2 and len(required) < 2:
+            continue  # fn(t, name=None): called with the tensor only
+        return arity
+    raise LlmTraceError(f"the patch for {key!r} takes {len(sig.parameters)} parameter(s): a patch "
+                        f"takes (tensor) or (tensor, name) and returns the tensor that flows on")
 
 
 def _is_glob(name: str) -> bool:
     return any(ch in name for ch in "*?[")
-
-
-def _takes_name(fn) -> bool:
-    """True when fn requires a second positional argument: `fn(tensor, name)`."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # builtins without a signature get the tensor only
-        return False
-    required = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                and p.default is p.empty]
-    return len(required) >= 2
 
 
 @functools.cache
@@ -283,9 +354,10 @@ def _fmt_shape(shape) -> str:
 TABLE_WIDTH = 100  # characters in a row of `Trace.table`: a page of the book
 
 
-def _format_rows(header, rows, wrap: int | None = None) -> str:
-    """Left-aligned columns, each as wide as its widest cell. Column `wrap`, if given, narrows
-    (to no less than 20) so that a row fits TABLE_WIDTH; a longer cell goes on below its row."""
+def format_rows(header, rows, wrap: int | None = None, rule: bool = True) -> str:
+    """Left-aligned columns, each as wide as its widest cell, the header ruled off (rule=True).
+    Column `wrap`, if given, narrows (to no less than 20) so that a row fits TABLE_WIDTH; a longer
+    cell goes on below its row."""
     widths = ([max(len(str(x)) for x in col) for col in zip(header, *rows)] if rows
               else [len(h) for h in header])
     if wrap is not None:
@@ -293,7 +365,9 @@ def _format_rows(header, rows, wrap: int | None = None) -> str:
         widths[wrap] = min(widths[wrap], max(room, 20))
         rows = [part for row in rows for part in _wrap_cell(row, wrap, widths[wrap])]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [fmt.format(*header).rstrip(), fmt.format(*("-" * w for w in widths)).rstrip()]
+    out = [fmt.format(*header).rstrip()]
+    if rule:
+        out.append(fmt.format(*("-" * w for w in widths)).rstrip())
     out += [fmt.format(*row).rstrip() for row in rows]
     return "\n".join(out)
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..config import LAYER_TENSORS, MODEL_TENSORS, Config
-from ..errors import LlmTraceError
+from ..errors import LlmTraceError, first_line
 from ..rope import adjacent_to_half_split
 from ..tokenize import HFTokenizer
 
@@ -41,7 +41,7 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def hf_name(gguf_name: str) -> str:
+def to_hf_name(gguf_name: str) -> str:
     """GGUF name -> HF name: blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
     if gguf_name in _NAMES:
         return _NAMES[gguf_name]
@@ -58,12 +58,7 @@ def read_metadata(reader) -> dict:
     return fields
 
 
-INT_TYPES = ("I8", "I16", "I32", "I64")
-
-
-def first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-  # raw integers: no scale would turn them into weights
+INT_TYPES = ("I8", "I16", "I32", "I64")  # raw integers: no scale would turn them into weights
 
 
 def load_gguf(path: str | Path | None = None, name: str = "smollm2-135m"):
@@ -79,7 +74,7 @@ def load_gguf(path: str | Path | None = None, name: str = "smollm2-135m"):
         reader = GGUFReader(path)
         meta = read_metadata(reader)
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError...
-        raise LlmTraceError(f"cannot read {path} as GGUF ({type(e).__name__}: {first_line(e)}): "
+        raise LlmTraceError(f"cannot read {path} as GGUF ({type(e).__name__}: {first_line(e)[:120]}): "
                             f"download the file again") from None
     config = Config.from_gguf(meta, name=name)
     kind = meta.get("tokenizer.ggml.model")
@@ -93,7 +88,7 @@ def load_gguf(path: str | Path | None = None, name: str = "smollm2-135m"):
 
     sd = {}
     for t in reader.tensors:
-        name_hf, kind = hf_name(t.name), t.tensor_type.name
+        name_hf, kind = to_hf_name(t.name), t.tensor_type.name
         if kind in INT_TYPES:
             raise LlmTraceError(f"{path}: tensor {t.name} holds raw {kind} integers, not weights "
                                 f"llmtrace can dequantize: use a float or Q*-quantized GGUF")
@@ -114,7 +109,7 @@ def load_gguf(path: str | Path | None = None, name: str = "smollm2-135m"):
             vocab["tokens"], vocab["merges"], vocab["token_type"], config.bos_id, config.eos_id,
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
     except Exception as e:  # tokenizers rejects merges of unknown tokens, malformed merge lines...
-        raise LlmTraceError(f"{path}: the GGUF tokenizer cannot be built ({first_line(e)}): "
+        raise LlmTraceError(f"{path}: the GGUF tokenizer cannot be built ({first_line(e)[:120]}): "
                             f"download the file again") from None
     if tokenizer.vocab_size > config.vocab_size:
         raise LlmTraceError(f"{path}: the tokenizer has {tokenizer.vocab_size:,} pieces but the "

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config, expected_shapes, read_json
-from ..errors import LlmTraceError
+from ..errors import LlmTraceError, first_line
 from ..tokenize import HFTokenizer, SentencePieceTokenizer
 
 
@@ -80,7 +80,7 @@ def load_tokenizer(d: Path, config: Config):
             tok = HFTokenizer.from_file(d / "tokenizer.json", config.bos_id, config.eos_id,
                                         add_bos=bool(add_bos))
     except Exception as e:  # sentencepiece and tokenizers raise their own kinds for a corrupt file
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        first = first_line(e)[:120]
         raise LlmTraceError(f"{d}: the tokenizer file cannot be read ({first}): "
                             f"download it again") from None
     if tok is not None and tok.vocab_size > config.vocab_size:

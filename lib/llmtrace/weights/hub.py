@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..cache import command
-from ..errors import LlmTraceError
+from ..disk_cache import command
+from ..errors import LlmTraceError, first_line
 
 REPOS = ("TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
          "TinyLlama/TinyLlama-1.1B-Chat-v1.0")
@@ -65,7 +65,7 @@ def download(repo: str = REPOS[0], timeout: float = 20.0) -> Path:
                                                        "generation_config.json"],
                                  etag_timeout=timeout)
     except Exception as e:  # the hub client raises many kinds; all mean "not fetched"
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e)
         raise LlmTraceError(f"could not download {repo} ({type(e).__name__}: {first[:160]}): "
                             f"this needs a connection to the Hugging Face hub") from None
     path = Path(path)

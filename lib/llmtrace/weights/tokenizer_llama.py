@@ -21,7 +21,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from ..cache import atomic_path, cache_dir, command
+from ..disk_cache import atomic_path, cache_dir, command
 from ..errors import LlmTraceError
 
 SDIST = "llama-cpp-python==0.3.36"

@@ -4,15 +4,17 @@ when the library runs from the book's checkout (where `make` puts them), else ~/
 Each is written to a temporary name and renamed into place, so an interrupted run leaves nothing
 half-written.
 
-A generated directory ends with `manifest.json`, written last: the size of every file in it. An
-entry whose files do not match their manifest (truncated, edited, half-deleted) is rebuilt, and
-temporary directories that a killed run left behind are removed by the next one.
+A generated directory ends with `manifest.json`, written last: the size and a fingerprint of every
+file in it. `usable(d)` is the one rule: an entry whose files do not match their manifest
+(truncated, edited, half-deleted, never finished) is rebuilt, under a lock (one builder at a time)
+after checking the disk has room; temporaries that a killed run left behind go with the next one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -30,7 +32,7 @@ STALE_SECONDS = 24 * 3600  # a temporary whose pid says nothing (another machine
 
 
 def checkout() -> Path | None:
-    """The book's checkout this library runs from, if any (lib/llmtrace/cache.py -> the root)."""
+    """The book's checkout this library runs from, if any (lib/llmtrace/disk_cache.py -> the root)."""
     root = Path(__file__).resolve().parents[2]
     return root if (root / "_toc.yml").is_file() and (root / "Makefile").is_file() else None
 
@@ -139,29 +141,47 @@ def atomic_path(final: Path, directory: bool = False):
             shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
 
 
+def _digest(f: Path) -> str:
+    """A fingerprint of a file's first and last MiB: cheap, and it sees a file rewritten."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(f, "rb") as fh:
+        h.update(fh.read(2**20))
+        fh.seek(max(0, f.stat().st_size - 2**20))
+        h.update(fh.read(2**20))
+    return h.hexdigest()
+
+
 def write_manifest(d: Path) -> None:
-    """Last file of a generated directory: every other file's size."""
-    files = {f.name: f.stat().st_size for f in sorted(d.iterdir())
-             if f.is_file() and f.name != MANIFEST}
-    (d / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+    """Last file of a generated directory: every other file's size and fingerprint."""
+    files = [f for f in sorted(d.iterdir()) if f.is_file() and f.name != MANIFEST]
+    manifest = {"files": {f.name: f.stat().st_size for f in files},
+                "digests": {f.name: _digest(f) for f in files}}
+    (d / MANIFEST).write_text(json.dumps(manifest, indent=1))
     (d / MANIFEST).chmod(FILE_MODE)
 
 
-def manifest_problem(d: Path) -> str | None:
-    """Why the directory does not match its manifest, or None when it does."""
+def usable(d: Path) -> str | None:
+    """The one validity rule of a generated directory: None when it can be used, else why not.
+    Its manifest, written last, must list every file with the size and fingerprint it has now.
+    A conversion killed half-way left no manifest (or only a temporary, which `collect_stale`
+    removes); a file cut short, deleted or rewritten since differs from its line."""
     try:
-        files = json.loads((d / MANIFEST).read_text())["files"]
-        assert isinstance(files, dict)
+        manifest = json.loads((d / MANIFEST).read_text())
+        sizes, digests = manifest["files"], manifest["digests"]
+        assert isinstance(sizes, dict) and isinstance(digests, dict) and set(sizes) == set(digests)
     except FileNotFoundError:
-        return "it has no manifest (an older or interrupted build)"
+        return "it has no manifest (an interrupted build)"
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
         return "its manifest is unreadable"
-    for name, size in files.items():
+    for name, size in sizes.items():
         f = d / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != size:
-            return f"{name} has {f.stat().st_size:,} bytes, not {size:,}"
+        try:
+            if f.stat().st_size != size:
+                return f"{name} has {f.stat().st_size:,} bytes, not {size:,}"
+            if _digest(f) != digests[name]:
+                return f"{name} changed since it was written"
+        except OSError:
+            return f"{name} is missing or unreadable"
     return None
 
 

@@ -25,51 +25,25 @@ TINYLLAMA = "tinyllama-1.1b"
 def embedded_checkpoint(rebuild: bool = False) -> Path:
     """The embedded GGUF converted once to an fp32 Hugging Face checkpoint in the cache: reading
     the GGUF takes about ten seconds (mostly parsing 49,152 token strings), the checkpoint well
-    under one. An entry that does not match its manifest is converted again; one process and
-    thread converts while the others wait for it."""
-    from .cache import build_lock, cache_dir, collect_stale, manifest_problem
+    under one. An entry that is not `usable` is converted again; one process and thread converts
+    while the others wait for it."""
+    from .disk_cache import build_lock, cache_dir, collect_stale, usable
     from .weights.gguf import embedded_gguf_path
 
     gguf = embedded_gguf_path()
     root = cache_dir()
-    target = root / f"smollm2-135m-fp32-{gguf.stat().st_size}"
+    target = root / f"smollm2-135m-fp32-{gguf.stat().st_size}-v2"
     collect_stale(root, target.name)  # what a conversion killed half-way left behind
-    if not rebuild and manifest_problem(target) is None:
+    if not rebuild and usable(target) is None:
         return target
     with build_lock(root, target.name):
-        problem = "rebuild" if rebuild else manifest_problem(target)
-        if problem is None:  # another process built it while this one waited
-            return target
-        if problem.startswith("it has no manifest") and _adopt(target):
-            return target
-        _convert_embedded(gguf, target)
+        if rebuild or usable(target) is not None:  # else another process built it meanwhile
+            _convert_embedded(gguf, target)
     return target
 
 
-def _adopt(target: Path) -> bool:
-    """An entry from before manifests: keep it when its checkpoint is whole; record its sizes."""
-    from .cache import FILE_MODE, write_manifest
-    from .config import Config
-    from .weights.hf import safetensors_header
-
-    try:
-        Config.from_hf(target)
-        safetensors_header(target / "model.safetensors")
-        if not (target / "tokenizer.json").is_file():
-            return False
-    except (LlmTraceError, OSError):
-        return False
-    try:
-        for f in target.iterdir():
-            f.chmod(FILE_MODE)
-        write_manifest(target)
-    except OSError:  # a read-only cache: use the entry as it is
-        pass
-    return True
-
-
 def _convert_embedded(gguf: Path, target: Path) -> None:
-    from .cache import atomic_path, check_writable, write_manifest
+    from .disk_cache import atomic_path, check_writable, write_manifest
     from .config import Config, expected_shapes
     from .weights.gguf import load_gguf
     from .weights.hf import save_hf
@@ -96,10 +70,7 @@ def _load_embedded() -> Model:
             from .weights.gguf import EMBEDDED_FILE, EMBEDDED_REQUIREMENT
             from .weights.hf import load_hf
 
-            try:
-                config, sd, tok = load_hf(embedded_checkpoint(), name="smollm2-135m")
-            except LlmTraceError:  # sizes match but the content does not parse: convert again, once
-                config, sd, tok = load_hf(embedded_checkpoint(rebuild=True), name="smollm2-135m")
+            config, sd, tok = load_hf(embedded_checkpoint(), name="smollm2-135m")
             source = f"embedded: {EMBEDDED_FILE} from {EMBEDDED_REQUIREMENT}, dequantized to fp32"
             _embedded = Model(config, weights_from_state_dict(config, sd, EMBEDDED_FILE), tok,
                               source=source)

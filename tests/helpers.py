@@ -1,0 +1,31 @@
+"""What several test files share: the prompt, and small tools to break a checkpoint."""
+
+import json
+from pathlib import Path
+
+import torch
+
+PROMPT = "The capital of France is"  # the book's prompt, defined once for the tests
+
+
+def one_line(err) -> str:
+    """The message of an LlmTraceError (or pytest's ExceptionInfo of one), checked to be one
+    line with no traceback."""
+    message = str(err.value if hasattr(err, "value") else err)
+    assert message and "\n" not in message and "Traceback" not in message
+    return message
+
+
+def edit_config(d: Path, **changes) -> Path:
+    c = json.loads((d / "config.json").read_text())
+    c.update(changes)
+    (d / "config.json").write_text(json.dumps(c))
+    return d
+
+
+def nan_weight(d: Path, name: str, value: float = float("nan")) -> None:
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(d / "model.safetensors")
+    sd[name] = torch.full_like(sd[name], value)
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
