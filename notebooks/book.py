@@ -38,7 +38,10 @@ def tinyllama_walk(prompt: str = PROMPT) -> tuple[Trace, Trace]:
 
 
 def describe(model: Model) -> str:
-    c = model.config
+    return describe_config(model.config)
+
+
+def describe_config(c) -> str:
     head = "tied to the embedding" if c.tied_lm_head else "untied"
     return (f"{c.name}: {c.n_layers} layers, hidden {c.hidden_size}, {c.n_heads} query / "
             f"{c.n_kv_heads} KV heads of {c.head_dim}, FFN {c.ffn_size}, "
@@ -46,10 +49,11 @@ def describe(model: Model) -> str:
 
 
 def model_label(model: Model) -> str:
-    """The name a reader knows the running model by: "SmolLM2-135M-Instruct (embedded)"."""
+    """The name a reader knows the running model by, and what its values are: the embedded
+    model is the Q4_1 GGUF (Q8_0 embedding, F32 norms) dequantized to fp32."""
     name = model.config.name
     if name == EMBEDDED:
-        return f"{FULL_NAMES[EMBEDDED]} (embedded)"
+        return f"{FULL_NAMES[EMBEDDED]}, Q4_1 weights in fp32"
     return FULL_NAMES.get(name, name)
 
 
@@ -86,22 +90,32 @@ def show_source(*objects) -> None:
 
 def tinyllama_card_html(stage: str | list[str], tiny: Trace) -> str:
     """The card: TinyLlama-1.1B's records at this chapter's stage (layer 0 for the layers'
-    operations), name, op and exact shape, from the meta-device trace. HTML, so it reads the
-    same in the book and in JupyterLab; `<details>`, so it stays out of the way until opened."""
+    operations), name, operation and exact shape, from the meta-device trace, under a line of
+    TinyLlama's config. HTML, so it reads the same in the book and in JupyterLab; `<details>`, so
+    it stays one line high until opened."""
+    from llmtrace import Config
     from llmtrace.trace import _fmt_shape
 
     globs = [stage] if isinstance(stage, str) else list(stage)
     recs = [r for r in tiny.records
             if any(_glob(r.name, g) for g in globs) and _first_layer(r.name)]
     rows = "".join(f"<tr><td><code>{html.escape(r.name)}</code></td>"
-                   f"<td><code>{html.escape(_fmt_shape(r.shape))}</code></td></tr>"
+                   f"<td>{html.escape(r.op)}</td>"
+                   f'<td class="shape"><code>{html.escape(_fmt_shape(r.shape))}</code></td></tr>'
                    for r in recs)
+    c = Config.from_name(TINYLLAMA)
     n = tiny.shape("tokens")[1]
-    return (f'<details class="tinyllama-card"><summary>TinyLlama-1.1B at this stage: exact '
-            f"shapes for the same prompt ({n} tokens with BOS), traced on the meta device, "
-            f"{len(recs)} operations</summary>"
-            f'<table><thead><tr><th>name</th><th>shape</th></tr></thead>'
-            f"<tbody>{rows}</tbody></table></details>")
+    shape = describe_config(c).split(": ", 1)[1]  # "22 layers, hidden 2048, ..."
+    where = (f" Layer 0 shown: its {c.n_layers} layers have the same shapes."
+             if any(r.name.startswith("layers.") for r in recs) else "")
+    ops = "operation" if len(recs) == 1 else "operations"
+    return (f'<details class="tinyllama-card"><summary><span class="tl-model">TinyLlama-1.1B'
+            f'</span> at this stage: {len(recs)} {ops}, exact shapes</summary>'
+            f'<p class="tl-note">The reference model, traced on PyTorch\'s meta device (shapes, '
+            f"no weights) for the same prompt: {n} tokens with BOS. "
+            f"{html.escape(shape[0].upper() + shape[1:])}.{where}</p>"
+            f'<table><thead><tr><th>name</th><th>operation</th><th class="shape">shape</th></tr>'
+            f"</thead><tbody>{rows}</tbody></table></details>")
 
 
 def _glob(name: str, pattern: str) -> bool:
@@ -114,6 +128,33 @@ def _first_layer(name: str) -> bool:
     return not name.startswith("layers.") or name.startswith("layers.0.")
 
 
+# A figure this wide, at matplotlib's 100 dpi, fills the book's column at a 1280 px window with no
+# scaling; a wider one is shrunk to fit, and its text with it (12 in wide: to 69%, 10 pt text to
+# under 10 px).
+COLUMN_INCHES = 8.2
+BOOK_STYLE = {
+    "figure.dpi": 100,
+    "savefig.dpi": 100,
+    "font.size": 11,
+    "axes.titlesize": 12,
+    "axes.labelsize": 11,
+    "xtick.labelsize": 10,
+    "ytick.labelsize": 10,
+    "legend.fontsize": 10,
+    "figure.titlesize": 12,
+}
+
+
+def use_book_style() -> None:
+    """Matplotlib defaults that stay legible in the book: 100 dpi and no text under 10 pt
+    (matplotlib's default figure, 6.4 in wide, fits the column). `start_chapter` applies them; a
+    figure that sets its own `figsize` should stay within `COLUMN_INCHES` wide, and its own
+    `fontsize` at 9 or more."""
+    import matplotlib as mpl
+
+    mpl.rcParams.update(BOOK_STYLE)
+
+
 def start_chapter(stage: str | list[str] | None = None, name: str | None = None
                   ) -> tuple[Model, Trace]:
     """Load the model in force (LLMTRACE_MODEL, default auto), show the one-line banner and, when
@@ -122,6 +163,7 @@ def start_chapter(stage: str | list[str] | None = None, name: str | None = None
     trace)."""
     from IPython.display import HTML, display
 
+    use_book_style()
     model = load_model(resolve(name))
     say(banner_text(model))
     if stage is not None and not runs(model, TINYLLAMA):
@@ -148,8 +190,9 @@ def show_figure(fig, summary: str, static=None) -> None:
       and the one part of the output that nbval compares: the figure's JSON is not compared, see
       `notebooks/conftest.py`, and its HTML is sanitized, see `notebooks/sanitize.cfg`).
     - `static` is the picture for print and for viewers that run no JavaScript: a matplotlib
-      Figure (drawn to PNG and closed), or None to draw the figure's first state simply (heatmaps,
-      lines and bars) with matplotlib.
+      Figure (drawn to PNG and closed), or None to draw the figure's first state simply with
+      matplotlib: one heatmap, lines or bars on one pair of axes. For anything else (subplots,
+      other trace types) pass your own: the book's browser check wants every figure to have one.
 
     Hover: put the tokens in the hover text, e.g. for a [T, T] grid of attention weights `w`:
 
@@ -162,6 +205,10 @@ def show_figure(fig, summary: str, static=None) -> None:
                           xaxis_title="key (attended to)", yaxis_title="query",
                           yaxis_autorange="reversed")
         show_figure(fig, f"Attention weights of layer 0, head 0 over {len(toks)} tokens.")
+
+    A token can appear twice in a prompt, and plotly merges equal category labels: make the
+    labels unique (`[f"{i}:{t}" for i, t in enumerate(toks)]`), or plot positions and put the
+    tokens in `customdata` for the hover text (`%{customdata}`).
 
     A control (a slider over layers or heads): give each step the data it shows and let the step
     `restyle` the trace (no frames needed; works the same in the book and in JupyterLab):

@@ -100,6 +100,17 @@ class Browser:
                     return
             self.events.append(self._message(deadline))
 
+    def wait_until(self, expression: str, timeout: float = 30) -> None:
+        """Until a condition holds on the page, through any navigation on the way."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            r = self.call("Runtime.evaluate", session=True, expression=expression,
+                          returnByValue=True, _fail=False)
+            if r and r["result"].get("value") is True:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"still not true after {timeout} s: {expression}")
+
     def requests(self) -> list[str]:
         return [e["params"]["request"]["url"] for e in self.events
                 if e.get("method") == "Network.requestWillBeSent"] + \
@@ -137,7 +148,8 @@ def network(urls: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def built():
-    assert (HTML / "notebooks" / "01_model.html").is_file(), f"no built book in {HTML}: run `make book`"
+    assert (HTML / "notebooks" / "01_model.html").is_file(), \
+        f"no built book in {HTML}: run `make book`"
     return HTML
 
 
@@ -153,9 +165,13 @@ KEEP_DOM = {"index.html", "notebooks/04_rmsnorm.html", "notebooks/05_rope.html",
 
 
 def figure_pages(built: Path) -> list[str]:
-    """The chapters that carry an interactive figure (book.show_figure)."""
-    return [p.relative_to(built).as_posix() for p in sorted(built.glob("notebooks/*.html"))
-            if "llmtrace-plot" in p.read_text(errors="replace")]
+    """The chapters that carry an interactive figure (book.show_figure), those whose figures have
+    a control (a slider or a dropdown) first."""
+    pages = {p.relative_to(built).as_posix(): p.read_text(errors="replace")
+             for p in sorted(built.glob("notebooks/*.html"))}
+    with_figure = [name for name, text in pages.items() if "llmtrace-plot" in text]
+    return sorted(with_figure, key=lambda name: not re.search(r'"(sliders|updatemenus)":',
+                                                                pages[name]))
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +186,10 @@ def pages(built, browser):
     seen = {}
     for name in names:
         urls = browser.goto((built / name).as_uri())
+        if name == "index.html":  # it sends the reader on to the intro: wait for that page
+            browser.wait_until("location.href.endsWith('book/intro.html') && "
+                               "document.readyState === 'complete'")
+            urls = browser.requests()
         seen[name] = {"requests": urls, "overflow": browser.js(OVERFLOW_JS)}
         if name in KEEP_DOM:
             seen[name]["dom"] = browser.js("document.documentElement.outerHTML")
@@ -194,9 +214,9 @@ def test_no_code_or_output_scrolls_sideways_at_1280px(pages):
 
 
 def test_an_interactive_figure_answers_hover_and_its_control(built, pages, browser):
-    """The first chapter page with an interactive figure (book.show_figure): plotly.js, the
-    book's own copy, draws it; the mouse over the plot shows a hover label with a value; the
-    figure's slider or dropdown changes what the plot shows."""
+    """A chapter page with an interactive figure (book.show_figure), one with a control if any:
+    plotly.js, the book's own copy, draws it; the mouse over the plot shows a hover label with a
+    value; the figure's slider, dropdown or buttons change what the plot shows."""
     with_figure = figure_pages(built)
     assert with_figure, "no page carries an interactive figure (book.show_figure)"
     url = (built / with_figure[0]).as_uri()
@@ -211,11 +231,15 @@ def test_an_interactive_figure_answers_hover_and_its_control(built, pages, brows
         const figs = Array.from(document.querySelectorAll('.llmtrace-plot'));
         const el = figs.find(f => f.querySelector('.slider-container, .updatemenu-container'))
                    || figs[0];
-        el.id = el.id || 'under-test';
         window.under_test = el;
-        el.scrollIntoView({block: 'center'});
-        const r = el.querySelector('.nsewdrag').getBoundingClientRect();
-        return [r.x + r.width / 2, r.y + r.height / 2];
+        // a tall figure may not fit the window: bring what the mouse will touch into it
+        window.centre = (node, dx) => {
+            // instant: the theme scrolls smoothly, and the mouse must find it in place
+            node.scrollIntoView({block: 'center', behavior: 'instant'});
+            const r = node.getBoundingClientRect();
+            return [dx === undefined ? r.x + r.width / 2 : r.x + r.width + dx, r.y + r.height / 2];
+        };
+        return window.centre(el.querySelector('.nsewdrag'));
     })()""")
     browser.mouse("mouseMoved", *box)
     hover = browser.js("""new Promise(done => setTimeout(() => done(
@@ -228,32 +252,48 @@ def test_an_interactive_figure_answers_hover_and_its_control(built, pages, brows
     control = browser.js("""(() => {
         const el = window.under_test;
         const rail = el.querySelector('.slider-rail-rect');
-        if (rail) {
-            const r = rail.getBoundingClientRect();
-            return ['slider', r.x + r.width - 3, r.y + r.height / 2];
-        }
-        const head = el.querySelector('.updatemenu-header, .updatemenu-button');
-        if (head) {
-            const r = head.getBoundingClientRect();
-            return ['menu', r.x + r.width / 2, r.y + r.height / 2];
-        }
-        return null;
+        if (rail) return ['slider', ...window.centre(rail, -3)];  // its last step
+        const head = el.querySelector('.updatemenu-header');  // a dropdown
+        const buttons = el.querySelectorAll('.updatemenu-button');  // a row of buttons
+        const pick = head || buttons[buttons.length - 1];
+        if (!pick) return null;
+        return [head ? 'dropdown' : 'button', ...window.centre(pick)];
     })()""")
-    if control is None:
-        pytest.skip("the figure has no slider or dropdown; its hover answered")
+    if control is None:  # no figure of the book has a control: the hover has answered
+        return
     kind, x, y = control
     browser.mouse("mousePressed", x, y)
     browser.mouse("mouseReleased", x, y)
-    if kind == "menu":  # a dropdown opens: pick its last entry
-        pick = browser.js("""(() => {
-            const b = Array.from(window.under_test.querySelectorAll('.updatemenu-button'));
-            const r = b[b.length - 1].getBoundingClientRect();
-            return [r.x + r.width / 2, r.y + r.height / 2];
-        })()""")
+    if kind == "dropdown":  # it opens: pick its last entry
+        pick = browser.js("""new Promise(done => setTimeout(() => {
+            const b = window.under_test.querySelectorAll('.updatemenu-dropdown-button');
+            done(window.centre(b[b.length - 1]));
+        }, 300))""")
         browser.mouse("mousePressed", *pick)
         browser.mouse("mouseReleased", *pick)
     after = browser.js(f"new Promise(done => setTimeout(() => done({shown}), 800))")
     assert after != before, f"the figure's {kind} did not change what the plot shows"
+
+
+def test_a_printed_page_shows_the_figures_static_image(built, pages, browser):
+    """On paper the interactive figure gives way to its static image (book.show_figure)."""
+    with_figure = figure_pages(built)
+    assert with_figure, "no page carries an interactive figure (book.show_figure)"
+    url = (built / with_figure[0]).as_uri()
+    if browser.js("location.href") != url:
+        browser.goto(url)
+    shown = """Array.from(document.querySelectorAll('.llmtrace-figure')).map(f => [
+        getComputedStyle(f.querySelector('.llmtrace-plot')).display,
+        (f.querySelector('img.llmtrace-static') || {naturalWidth: 0}).naturalWidth > 0 &&
+        getComputedStyle(f.querySelector('img.llmtrace-static')).display])"""
+    browser.call("Emulation.setEmulatedMedia", session=True, media="print")
+    try:
+        printed = browser.js(shown)
+    finally:
+        browser.call("Emulation.setEmulatedMedia", session=True, media="")
+    assert printed and all(plot == "none" and img == "block" for plot, img in printed), printed
+    on_screen = browser.js(shown)
+    assert any(plot != "none" and img == "none" for plot, img in on_screen), on_screen
 
 
 def test_index_redirects_to_the_intro(pages):

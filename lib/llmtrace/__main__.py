@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
@@ -219,6 +220,8 @@ def write(text: str) -> None:
     """Print to stdout whatever its encoding: what it cannot encode (an ASCII terminal, a C
     locale) is written as backslash escapes rather than crashing half-way."""
     out = sys.stdout
+    if out is None:  # started with stdout closed (`>&-`): Python leaves sys.stdout None
+        raise OSError(errno.EBADF, "stdout is closed")
     encoding = getattr(out, "encoding", None) or "utf-8"
     try:
         text.encode(encoding)
@@ -229,7 +232,8 @@ def write(text: str) -> None:
 
 
 def fail(message: str, status: int = 2) -> int:
-    print(f"error: {safe(message)}".replace("\n", " "), file=sys.stderr)
+    if sys.stderr is not None:  # with stderr closed too, the status is all there is to say
+        print(f"error: {safe(message)}".replace("\n", " "), file=sys.stderr)
     return status
 
 

@@ -110,6 +110,71 @@ def machine_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
     return "\n".join(out)
 
 
+# The compact map folds one block into two rows of steps (attention, then the MLP), each step a
+# group of the block's records.
+ATTN_STEPS = [
+    ("attn_norm", "RMSNorm", ["attn_norm"]),
+    ("qkv", "q, k, v", ["attn.q_proj", "attn.k_proj", "attn.v_proj",
+                        "attn.q", "attn.k", "attn.v"]),
+    ("rope", "RoPE", ["attn.rope_q", "attn.rope_k"]),
+    ("cache", "KV cache, GQA", ["attn.kv_cache.k", "attn.kv_cache.v",
+                                "attn.k_expanded", "attn.v_expanded"]),
+    ("scores", "scores, mask", ["attn.scores", "attn.causal_mask", "attn.masked_scores"]),
+    ("softmax", "softmax", ["attn.weights"]),
+    ("mix", "mix, out", ["attn.weighted_sum", "attn.merged", "attn.out"]),
+    ("resid_mid", "+ x", ["resid_mid"]),
+]
+MLP_STEPS = [
+    ("mlp_norm", "RMSNorm", ["mlp_norm"]),
+    ("mlp", "SwiGLU MLP", ["mlp.gate", "mlp.up", "mlp.act", "mlp.gated", "mlp.down"]),
+    ("resid_out", "+ x", ["resid_out"]),
+]
+SHORT_PASS = {"prompt": "text", "tokens": "tokens", "embed": "embed", "final_norm": "RMSNorm",
+              "lm_head": "LM head", "last": "logits[-1]", "sample": "sample", "token": "token"}
+
+
+def compact_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
+    """DOT text of the compact map, a few lines high: the whole pass in one row and, when the
+    stage is inside a block, the block folded into two rows of steps (attention, then the MLP)
+    beneath it, the chapter's stage lit. Each lit step in the pass shows its output's shape."""
+    highlight = [highlight] if isinstance(highlight, str) else list(highlight or ())
+    layers = sorted({int(r.name.split(".")[1]) for r in trace if r.name.startswith("layers.")})
+    if not layers:
+        raise LlmTraceError("the trace holds no layers: map a forward pass's trace (model.run)")
+    L = len(layers)
+    block_lit = any(_lit(n, highlight) for _, _, names in ATTN_STEPS + MLP_STEPS
+                    for n in names)
+
+    out = ['digraph machine {', '  rankdir=LR; nodesep=0.1; ranksep=0.15;',
+           '  node [shape=box fontname="Helvetica" fontsize=11 margin="0.06,0.03" height=0.28];',
+           '  edge [color="#616161" arrowsize=0.6];']
+    if title:
+        out.append(f'  label="{_dot_text(title)}"; labelloc=t; fontname="Helvetica"; fontsize=13;')
+    # the block first: Graphviz then puts the whole pass in the row beneath it
+    if block_lit:
+        out.append(f'  subgraph cluster_block {{ label="one block of {L}, folded"; '
+                   'fontname="Helvetica"; fontsize=10; color="#bdbdbd";')
+        for steps in (ATTN_STEPS, MLP_STEPS):
+            for key, text, names in steps:
+                lit = any(_lit(n, highlight) for n in names)
+                out.append(f'    "b.{key}" [label="{text}" {LIT if lit else PLAIN}];')
+            out.append("    " + " -> ".join(f'"b.{key}"' for key, _, _ in steps) + ";")
+        out.append('    "b.resid_mid" -> "b.mlp_norm" [constraint=false];')
+        out.append('  }')
+    out.append('  subgraph cluster_pass { label="the whole pass"; fontname="Helvetica"; '
+               'fontsize=10; color="#bdbdbd";')
+    for key, _, rec in PASS:
+        lit = _lit(key, highlight) or (key == "blocks" and block_lit)
+        label = f"{L} blocks" if key == "blocks" else SHORT_PASS[key]
+        if lit and rec and key != "blocks":
+            label += "\\n" + _fmt_shape(trace.shape(rec))
+        out.append(f'    "p.{key}" [label="{label}" {LIT if lit else PLAIN}];')
+    out.append("    " + " -> ".join(f'"p.{key}"' for key, _, _ in PASS) + ";")
+    out.append('  }')
+    out.append('}')
+    return "\n".join(out)
+
+
 def render_svg(dot: str) -> str:
     """SVG text from DOT text, with Graphviz's `dot`."""
     exe = shutil.which("dot")
@@ -118,12 +183,19 @@ def render_svg(dot: str) -> str:
                             "(or `make graphviz` in the book's checkout)")
     r = subprocess.run([exe, "-Tsvg"], input=dot, capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
-        raise LlmTraceError(f"dot failed: {r.stderr.strip().splitlines()[:1]}")
+        first = (r.stderr.strip().splitlines() or ["no message"])[0]
+        raise LlmTraceError(f"dot failed ({first}): check the DOT text it was given")
     return r.stdout[r.stdout.index("<svg"):]  # drop the XML prolog and doctype
 
 
-def machine_map(trace, highlight: str | list[str] = (), title: str = ""):
-    """The map as an IPython SVG object, for a notebook cell."""
+def machine_map(trace, highlight: str | list[str] = (), title: str = "",
+                compact: bool | None = None):
+    """The map as an IPython SVG object, for a notebook cell. `compact` folds it into a few
+    lines (`compact_dot`); by default the map is compact when a stage is lit, so the first chapter
+    shows the whole machine and the others say where they are in it."""
     from IPython.display import SVG
 
-    return SVG(render_svg(machine_dot(trace, highlight, title)))
+    if compact is None:
+        compact = bool(highlight)
+    draw = compact_dot if compact else machine_dot
+    return SVG(render_svg(draw(trace, highlight, title)))

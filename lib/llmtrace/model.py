@@ -202,21 +202,47 @@ def trace_shapes(config: Config | str, prompt: int | torch.Tensor = 6, decode_st
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "bool": 1}
 
 
+def estimate_trace_bytes(config: Config, T: int, S: int | None = None) -> int:
+    """Bytes of a trace that keeps every value, for T new positions attending to S (default T),
+    counted from the records a layer makes (fp32): what grows with T (projections, norms, the
+    MLP's four [T, F] tensors), with S (the cache and its expanded K, V) and with T x S (scores,
+    mask, masked scores, weights: the part that makes long prompts expensive). A test holds it
+    equal to the count `trace_bytes` makes from a meta pass, and to a real trace's."""
+    S = T if S is None else S
+    D, F, V = config.hidden_size, config.ffn_size, config.vocab_size
+    q, kv, H = config.n_heads * config.head_dim, config.kv_size, config.n_heads
+    per_layer = (T * (6 * D + 5 * q + 5 * kv + 4 * F + 2) + S * 2 * (kv + q)
+                 + T * S * (3 * H + 1))
+    outside = T * (2 * D + 1 + V) + 2 * T  # embed, final norm, lm_head; int64 token ids
+    return 4 * (config.n_layers * per_layer + outside)
+
+
 def trace_bytes(config: Config, trace: Trace, T: int, decode_steps: int = 0) -> int:
     """Bytes the kept values of a prefill of T positions and `decode_steps` one-token steps would
-    hold, counted from a shapes-only pass on the meta device (each decode step counted as the
-    last, the largest). Views are counted as if they were copies: an upper bound."""
-    def kept(t: Trace) -> int:
-        return sum(BYTES.get(r.dtype, 4) * math.prod(r.shape) for r in t if trace.keeps(r.name))
+    hold. Every value: `estimate_trace_bytes`. A filter: counted from a shapes-only pass of one
+    layer on the meta device (each layer records the same shapes). Each decode step is counted as
+    the last, the largest; views as if they were copies: an upper bound."""
+    if trace.keeps_all:  # every value: the closed form, no pass needed
+        return estimate_trace_bytes(config, T) + decode_steps * estimate_trace_bytes(
+            config, 1, T + decode_steps)
+    one = meta_model(config.replace(n_layers=1))
 
-    prefill, *decode = trace_shapes(config, T, decode_steps=0)
-    need = kept(prefill)
+    def kept(ids, cache=None, start=0) -> int:
+        t = Trace(keep_values=False)
+        one.forward(ids, t, cache, start)
+        total = 0
+        for r in t:
+            size = BYTES.get(r.dtype, 4) * math.prod(r.shape)
+            names = ([r.name.replace("layers.0.", f"layers.{i}.", 1)
+                      for i in range(config.n_layers)] if r.name.startswith("layers.0.")
+                     else [r.name])
+            total += size * sum(trace.keeps(n) for n in names)
+        return total
+
+    need = kept(torch.zeros(1, T, dtype=torch.long))
     if decode_steps:
-        last = Trace(keep_values=False)
-        model = meta_model(config)
         S = T + decode_steps
-        model.forward(torch.zeros(1, 1, dtype=torch.long), last, model.new_cache(S), S - 1)
-        need += decode_steps * kept(last)
+        need += decode_steps * kept(torch.zeros(1, 1, dtype=torch.long), one.new_cache(S), S - 1)
     return need
 
 
