@@ -2,13 +2,22 @@
 device, HF's reference model, and the tiny random checkpoint (a directory, `tiny_dir`, and the
 model loaded from it, `tiny`)."""
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import PROMPT
 from llmtrace import load_model, meta_model
+
+# One intra-op thread unless OMP_NUM_THREADS says otherwise. The tests run tensors of a few tokens,
+# where a second thread saves nothing and, on a busy machine, spins while it waits for the other:
+# measured on this 2-core machine under load, one embedded forward pass took 3.4 s of CPU with two
+# threads and 0.2 s with one. The chapters' outputs are checked under OMP_NUM_THREADS=1 too.
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,18 @@
 """What several test files share: the prompt, and small tools to break a checkpoint."""
 
 import json
+import os
 from pathlib import Path
 
 import torch
 
 PROMPT = "The capital of France is"  # the book's prompt, defined once for the tests
+
+
+def process_env(**changes) -> dict:
+    """The environment for a child Python: this one, with torch's threads as the tests run them
+    (one, unless OMP_NUM_THREADS is set: see conftest.py), and `changes`."""
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **changes}
 
 
 def one_line(err) -> str:

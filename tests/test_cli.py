@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from llmtrace.__main__ import main
-from helpers import PROMPT
+from helpers import PROMPT, process_env
 
 
 def run(capsys, *args):
@@ -20,7 +20,7 @@ def run(capsys, *args):
 def test_cli_process_greedy_paris():
     args = ["--model", "embedded", "--max-new-tokens", "4", PROMPT]
     r = subprocess.run([sys.executable, "-m", "llmtrace", *args], capture_output=True, text=True,
-                       timeout=300)
+                       timeout=300, env=process_env())
     assert r.returncode == 0, r.stderr
     assert "layers.0.attn.scores" in r.stdout and "[1, 9, 5, 5]" in r.stdout
     assert "The capital of France is Paris." in r.stdout

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from helpers import PROMPT, nan_weight
+from helpers import PROMPT, nan_weight, process_env
 from llmtrace.__main__ import main, parse_args, run_live
 
 
@@ -106,7 +106,7 @@ def test_cli_dev_full_in_a_process(tiny_dir):
         argv = [sys.executable, "-m", "llmtrace", "--model", str(tiny_dir), "--max-new-tokens", "1",
                 "Paris, café ☕"]
         r = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120,
-                           env={**os.environ, "LC_ALL": "C"})
+                           env=process_env(LC_ALL="C"))
     assert r.returncode == 2
     assert r.stderr == ("error: cannot write the output (No space left on device): "
                         "check where stdout goes\n")
@@ -116,7 +116,7 @@ def test_cli_with_stdout_closed(tiny_dir):
     argv = [sys.executable, "-m", "llmtrace", "--model", str(tiny_dir), "--max-new-tokens", "1",
             PROMPT]
     r = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                       timeout=120, preexec_fn=lambda: os.close(1))
+                       timeout=120, preexec_fn=lambda: os.close(1), env=process_env())
     assert r.returncode == 2
     assert r.stderr == ("error: cannot write the output (stdout is closed): "
                         "check where stdout goes\n")

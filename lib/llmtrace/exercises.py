@@ -33,9 +33,10 @@ How a chapter shows an exercise (four cells, after "What you now know"):
            \"\"\"x [B, T, D], weight [D] -> [B, T, D]\"\"\"
            ...  # your code here
 
-       check("rms_norm", rms_norm, model=model);
+       _ = check("rms_norm", rms_norm, model=model)  # the verdict is printed
    (`model` is the page's, from `start_chapter`: the check reuses it instead of loading a
-   second copy; the semicolon keeps Jupyter from echoing the returned bool under the verdict)
+   second copy; `_ =` keeps Jupyter from echoing the returned bool under the verdict, which a
+   semicolon does not do when nbval runs the cell)
 4. Code, the solution, tagged `hide-input` and with metadata
    `{"tags": ["hide-input"], "jupyter": {"source_hidden": true}}` (folded in the HTML and in
    JupyterLab; its pass line shows):
@@ -622,7 +623,7 @@ def _case_rope_frequencies(model) -> Case:
         return angles.cos(), angles.sin()
 
     return Case(_caller(positions, hd, theta), want,
-                f"the cos, sin {_shape(want[0])} of layers.0.attn.rope_q",
+                f"the cos, sin {_shape(want[0])} of rope_q",
                 _pair_compare(("cos", "sin"), 1e-5), [
                     (interleaved, "that is the adjacent-pair layout (2i, 2i+1), repeat_interleave; "
                                   "here dimension d pairs with d + head_dim/2: "
@@ -795,8 +796,7 @@ def _case_kv_cache_step(model) -> Case:
             return (s.softmax(-1) @ v)[:, 0]
         return fn
 
-    return Case(call, (want, True), f"layers.0.attn.weighted_sum[0, :, -1] "
-                f"{_shape(want)} and the cache", compare, [
+    return Case(call, (want, True), f"the step's output {_shape(want)} and the cache", compare, [
                     (step(True, lambda p: p), "read positions 0..pos INCLUDED: "
                                               "k_cache[:pos + 1] (off by one)"),
                     (step(True, lambda p: None), "read only positions 0..pos: the cache beyond "
@@ -1089,7 +1089,7 @@ def _case_patch_country(model) -> Case:
                 (lambda s, o, p: patch_country(s, o, min(p + 1, T - 1)),
                  "the position is off by one: the country is at pos")]
     want = call(patch_country)
-    return Case(call, want, f"the logits {_shape(want)}, {name} patched at {pos}",
+    return Case(call, want, f"the patched logits {_shape(want)}",
                 _tensor_compare(1e-4), mistakes)
 
 
@@ -1182,4 +1182,4 @@ def _main(x):
 
 def _tolerance(case: Case) -> str:
     rtol = getattr(case.compare, "rtol", None)
-    return "exactly" if rtol is None else f"within {rtol:.0e} relative"
+    return "exactly" if rtol is None else f"within {rtol:.0e}"
