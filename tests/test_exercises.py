@@ -54,8 +54,7 @@ def _not_implemented(*args):
 def test_a_stub_is_not_written_yet(capsys, model, stub):
     for name in NAMES:
         ok, line = verdict(capsys, name, stub, model)
-        assert not ok and line == f"… {name}: not written yet: replace the stub with your code " \
-                                   "and run the cell"
+        assert not ok and line == f"… {name}: not written yet: replace the stub with your code"
 
 
 def test_errors_become_false_with_their_message(capsys, model):

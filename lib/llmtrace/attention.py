@@ -1,8 +1,8 @@
 """Self-attention with grouped-query attention (GQA), written out op by op.
 
-Shape comments give symbols, then TinyLlama's prefill numbers (B=1, T=6, H=32, KV=4,
-head_dim=64); S is the number of positions the cache holds after this step's write (S = T at
-prefill).
+Shape comments give symbols: B batch, T positions, D hidden, H query heads, KV key/value heads,
+hd head_dim; S is the number of positions the cache holds after this step's write (S = T at
+prefill). A trace of any model gives their numbers.
 """
 
 import math
@@ -18,7 +18,7 @@ from .trace import NO_TRACE
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """[B, KV, S, head_dim] -> [B, KV*n_rep, S, head_dim]: KV head g serves query heads
-    g*n_rep .. g*n_rep + n_rep-1 (with TinyLlama, head 0 serves query heads 0-7)."""
+    g*n_rep .. g*n_rep + n_rep-1 (with 32 query heads over 4 KV heads, head 0 serves 0-7)."""
     B, KV, S, hd = x.shape
     if n_rep == 1:
         return x
@@ -61,16 +61,16 @@ def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0):
     values."""
     T, S, d = q.shape[-2], k.shape[-2], q.shape[-1]
     lead = math.prod(q.shape[:-2])  # batch x heads
-    scores = q @ k.transpose(-2, -1) / math.sqrt(d)  # [B, H, T, S]  [1, 32, 6, 6]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d)  # [B, H, T, S]
     scores = trace.record(f"{name}.scores", f"q @ k^T / sqrt({d})", scores,
                           lead * T * S * d)
     if mask is not None:
         what = f"0 where key <= query position, -inf after ({start} cached)"
-        mask = trace.record(f"{name}.causal_mask", what, mask)  # [T, S]  [6, 6]
+        mask = trace.record(f"{name}.causal_mask", what, mask)  # [T, S]
         scores = trace.record(f"{name}.masked_scores", "scores + causal_mask",
                               scores + mask)  # [B, H, T, S]
     weights = trace.record(f"{name}.weights", "softmax over keys (rows sum to 1)",
-                           F.softmax(scores, dim=-1))  # [B, H, T, S]  [1, 32, 6, 6]
+                           F.softmax(scores, dim=-1))  # [B, H, T, S]
     return trace.record(f"{name}.weighted_sum", "weights @ v",
                         weights @ v, lead * T * S * d)  # [B, H, T, d]
 
@@ -83,28 +83,28 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
 
     # Projections: Q for every query head, K and V for the (fewer) KV heads.
     q = trace.record(f"{name}.q_proj", "x @ W_q^T", F.linear(x, w.q_proj),
-                     B * T * D * H * hd)  # [B, T, H*hd]  [1, 6, 2048]
+                     B * T * D * H * hd)  # [B, T, H*hd]
     k = trace.record(f"{name}.k_proj", "x @ W_k^T", F.linear(x, w.k_proj),
-                     B * T * D * KV * hd)  # [B, T, KV*hd]  [1, 6, 256]
+                     B * T * D * KV * hd)  # [B, T, KV*hd]
     v = trace.record(f"{name}.v_proj", "x @ W_v^T", F.linear(x, w.v_proj),
-                     B * T * D * KV * hd)  # [B, T, KV*hd]  [1, 6, 256]
+                     B * T * D * KV * hd)  # [B, T, KV*hd]
     q = trace.record(f"{name}.q", f"split into {H} heads",
-                     q.view(B, T, H, hd))  # [B, T, H, hd]  [1, 6, 32, 64]
+                     q.view(B, T, H, hd))  # [B, T, H, hd]
     k = trace.record(f"{name}.k", f"split into {KV} heads",
-                     k.view(B, T, KV, hd))  # [B, T, KV, hd]  [1, 6, 4, 64]
+                     k.view(B, T, KV, hd))  # [B, T, KV, hd]
     v = trace.record(f"{name}.v", f"split into {KV} heads",
-                     v.view(B, T, KV, hd))  # [B, T, KV, hd]  [1, 6, 4, 64]
+                     v.view(B, T, KV, hd))  # [B, T, KV, hd]
 
     # Position enters here, and only into Q and K: V carries content.
     q = apply_rope(q, pos.cos, pos.sin, trace,
-                   f"{name}.rope_q")  # [B, T, H, hd]  [1, 6, 32, 64]
+                   f"{name}.rope_q")  # [B, T, H, hd]
     k = apply_rope(k, pos.cos, pos.sin, trace,
-                   f"{name}.rope_k")  # [B, T, KV, hd]  [1, 6, 4, 64]
+                   f"{name}.rope_k")  # [B, T, KV, hd]
 
     # Write this step's K and V into the cache, read back every position so far.
     start = pos.start
     if cache is not None:
-        k_all, v_all = cache.update(start, k, v)  # [B, S, KV, hd]  [1, 6, 4, 64]
+        k_all, v_all = cache.update(start, k, v)  # [B, S, KV, hd]
         where = f"write {start}:{start + T}, read 0:{start + T}"
     elif start == 0:  # no cache: this pass computed every position itself
         k_all, v_all, where = k, v, f"no cache: this pass's {T} positions"
@@ -116,16 +116,16 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
     v_all = trace.record(f"{name}.kv_cache.v", f"V cache: {where}", v_all)
 
     # Heads first, then GQA: repeat each KV head for the query heads that share it.
-    q = q.transpose(1, 2)  # [B, H, T, hd]  [1, 32, 6, 64]
+    q = q.transpose(1, 2)  # [B, H, T, hd]
     k_exp = repeat_kv(k_all.transpose(1, 2), config.n_rep)  # [B, H, S, hd]
     k_exp = trace.record(f"{name}.k_expanded", f"GQA: {KV} -> {H} heads", k_exp)
     v_exp = repeat_kv(v_all.transpose(1, 2), config.n_rep)  # [B, H, S, hd]
     v_exp = trace.record(f"{name}.v_expanded", f"GQA: {KV} -> {H} heads", v_exp)
 
     out = attend(q, k_exp, v_exp, pos.mask, trace, name,
-                 start)  # [B, H, T, hd]  [1, 32, 6, 64]
+                 start)  # [B, H, T, hd]
 
-    out = out.transpose(1, 2).reshape(B, T, H * hd)  # [B, T, H*hd]  [1, 6, 2048]
+    out = out.transpose(1, 2).reshape(B, T, H * hd)  # [B, T, H*hd]
     out = trace.record(f"{name}.merged", "heads back side by side", out)
-    out = F.linear(out, w.o_proj)  # [B, T, D]  [1, 6, 2048]
+    out = F.linear(out, w.o_proj)  # [B, T, D]
     return trace.record(f"{name}.out", "merged @ W_o^T", out, B * T * H * hd * D)

@@ -7,7 +7,7 @@ from .trace import NO_TRACE
 
 
 def embed(ids: torch.Tensor, table: torch.Tensor, trace=NO_TRACE) -> torch.Tensor:
-    ids = trace.record("tokens", "token ids", ids)  # [B, T]  [1, 6]
-    x = F.embedding(ids, table)  # [B, T, D]  [1, 6, 2048]
+    ids = trace.record("tokens", "token ids", ids)  # [B, T]
+    x = F.embedding(ids, table)  # [B, T, D]
     V, D = table.shape
     return trace.record("embed", f"row lookup in embed_tokens [{V}, {D}]", x)

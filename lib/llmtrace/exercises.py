@@ -1152,7 +1152,7 @@ def check(name: str, fn: Callable, model=None) -> bool:
     try:
         got = case.call(fn)
     except (_Stub, NotImplementedError):
-        print(f"… {name}: not written yet: replace the stub with your code and run the cell")
+        print(f"… {name}: not written yet: replace the stub with your code")
         return False
     except Exception as e:  # noqa: BLE001: the learner's error, in one line
         hint = _mistake_hint(case, None, e)

@@ -13,12 +13,12 @@ def swiglu(x: torch.Tensor, w, trace=NO_TRACE, name: str = "mlp") -> torch.Tenso
     B, T, D = x.shape
     Fsz = w.gate.shape[0]
     gate = trace.record(f"{name}.gate", "x @ W_gate^T",
-                        F.linear(x, w.gate), B * T * D * Fsz)  # [B, T, F]  [1, 6, 5632]
+                        F.linear(x, w.gate), B * T * D * Fsz)  # [B, T, F]
     up = trace.record(f"{name}.up", "x @ W_up^T",
-                      F.linear(x, w.up), B * T * D * Fsz)  # [B, T, F]  [1, 6, 5632]
+                      F.linear(x, w.up), B * T * D * Fsz)  # [B, T, F]
     act = trace.record(f"{name}.act", "silu(gate) = gate * sigmoid(gate)",
                        F.silu(gate))  # [B, T, F]
     gated = trace.record(f"{name}.gated", "silu(gate) * up",
-                         act * up)  # [B, T, F]  [1, 6, 5632]
-    down = F.linear(gated, w.down)  # [B, T, D]  [1, 6, 2048]
+                         act * up)  # [B, T, F]
+    down = F.linear(gated, w.down)  # [B, T, D]
     return trace.record(f"{name}.down", "gated @ W_down^T", down, B * T * Fsz * D)

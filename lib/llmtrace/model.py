@@ -79,11 +79,11 @@ def block(x, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE
     h = rms_norm(x, w.attn_norm, eps, trace, f"{name}.attn_norm")  # [B, T, D]
     h = attention(h, w, config, pos, cache, trace, f"{name}.attn")  # [B, T, D]
     x = trace.record(f"{name}.resid_mid", "x + attn(attn_norm(x))",
-                     x + h)  # [B, T, D]  [1, 6, 2048]
+                     x + h)  # [B, T, D]
     h = rms_norm(x, w.mlp_norm, eps, trace, f"{name}.mlp_norm")  # [B, T, D]
     h = swiglu(h, w, trace, f"{name}.mlp")  # [B, T, D]
     return trace.record(f"{name}.resid_out", "h + mlp(mlp_norm(h))",
-                        x + h)  # [B, T, D]  [1, 6, 2048]
+                        x + h)  # [B, T, D]
 
 
 class Model:
@@ -121,12 +121,12 @@ class Model:
         ids = check_ids(ids, c.vocab_size, batch=True).to(self.device)  # [B, T]
         pos = Positions.of(start, ids.shape[1], c, self.device)  # shared by every layer
 
-        x = embed(ids, w.embed, trace)  # [B, T, D]  [1, 6, 2048]
+        x = embed(ids, w.embed, trace)  # [B, T, D]
         for i, lw in enumerate(w.layers):
             layer_cache = None if cache is None else cache[i]
             x = block(x, lw, c, pos, layer_cache, trace, f"layers.{i}")  # [B, T, D]
         x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm")  # [B, T, D]
-        logits = F.linear(x, w.lm_head)  # [B, T, V]  [1, 6, 32000]
+        logits = F.linear(x, w.lm_head)  # [B, T, V]
         head = "tied: embed_tokens" if c.tied_lm_head else "lm_head"
         macs = x.shape[0] * x.shape[1] * c.hidden_size * c.vocab_size
         return trace.record("lm_head", f"x @ W^T ({head})", logits, macs)

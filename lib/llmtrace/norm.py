@@ -11,7 +11,7 @@ from .trace import NO_TRACE
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, trace=NO_TRACE,
              name: str = "norm") -> torch.Tensor:
     mean_sq = trace.record(f"{name}.mean_sq", "mean(x^2) over the last dim",
-                           x.pow(2).mean(-1, keepdim=True))  # [B, T, 1]  [1, 6, 1]
+                           x.pow(2).mean(-1, keepdim=True))  # [B, T, 1]
     x_hat = x * torch.rsqrt(mean_sq + eps)  # [B, T, D]: each row now has RMS 1
-    out = weight * x_hat  # [B, T, D]  [1, 6, 2048]
+    out = weight * x_hat  # [B, T, D]
     return trace.record(name, f"x / sqrt(mean_sq + {eps:g}) * weight", out)

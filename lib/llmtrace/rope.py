@@ -41,7 +41,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, trace=NO_T
     x[d+half] -> x[d+half] cos + x[d] sin"""
     # [T, 1, head_dim] each: the same angle for every head
     cos, sin = cos[:, None, :], sin[:, None, :]
-    out = x * cos + rotate_half(x) * sin  # [B, T, n_heads, head_dim]  [1, 6, 32, 64]
+    out = x * cos + rotate_half(x) * sin  # [B, T, n_heads, head_dim]
     return trace.record(name, "rotate pairs (d, d+head_dim/2) by position * freq", out)
 
 
