@@ -246,6 +246,15 @@ def memory_of_traced_run(model_spec: str, keep_freed: bool = False) -> dict:
             "first_traced_256_s": first, "second_traced_256_s": second}
 
 
+def chapter_seconds(name: str = "14_inside_the_layers.ipynb") -> float:
+    """Wall time of one chapter executed top to bottom in a fresh kernel (`jupyter execute`,
+    nothing written back): chapter 14 runs its patching sweeps batched, to stay under a minute."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "jupyter", "execute", str(ROOT / "notebooks" / name)],
+                   capture_output=True, text=True, check=True, cwd=ROOT / "notebooks")
+    return time.perf_counter() - start
+
+
 def cpu_model() -> str:
     """The processor's name as the kernel reports it ("AMD EPYC"), else the architecture."""
     try:
@@ -314,6 +323,7 @@ def run(model=None, quick: bool = False, threads: int | None = None) -> dict:
     spec = "embedded" if model.name == "smollm2-135m" else model.source
     r["memory"] = memory_of_traced_run(spec, keep_freed=False)
     r["memory_keep_freed"] = memory_of_traced_run(spec, keep_freed=True)
+    r["chapter_14_s"] = chapter_seconds()
     r["seconds"] = time.perf_counter() - started
     return r
 
@@ -415,6 +425,8 @@ def report(r) -> str:
         f"fully traced run of the prompt (peak {mem['peak_after_traced_run_mib']})",
         f"   the trace itself: {f6['trace_bytes'] / 2**20:.1f} MiB with every value at 6 tokens, "
         f"{f256['trace_bytes'] / 2**20:.0f} MiB at 256 tokens, 0 bytes with shapes only",
+        *(["", f"7. chapter 14 (activation patching over 8 prompt pairs) in a fresh kernel: "
+           f"{r['chapter_14_s']:.0f} s"] if "chapter_14_s" in r else []),
         f"\n(benchmark took {r['seconds']:.0f} s)",
     ]
     return "\n".join(lines)
