@@ -16,7 +16,7 @@ class KVCache:
 
     def __init__(self, max_len: int, n_kv_heads: int, head_dim: int, batch: int = 1,
                  device="cpu", dtype=torch.float32):
-        shape = (batch, max_len, n_kv_heads, head_dim)  # [B, max_len, KV, hd]  [1, 2048, 4, 64]
+        shape = (batch, max_len, n_kv_heads, head_dim)  # [B, max_len, KV, hd]
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
 
@@ -31,7 +31,7 @@ class KVCache:
                                 f"model.new_cache({end}) or larger")
         self.k[:, input_pos:end] = k
         self.v[:, input_pos:end] = v
-        # [B, end, KV, hd] each  [1, 7, 4, 64] at decode 1
+        # [B, end, KV, hd] each, end = input_pos + T
         return self.k[:, :end], self.v[:, :end]
 
     def nbytes(self) -> int:

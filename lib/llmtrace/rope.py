@@ -16,16 +16,16 @@ def rope_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
     slowest last."""
     pairs = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device)  # [hd/2]
     exponents = pairs.float() / head_dim
-    return 1.0 / theta**exponents  # [head_dim/2]  [32]
+    return 1.0 / theta**exponents  # [head_dim/2]
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int,
                  theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = rope_frequencies(head_dim, theta, positions.device)  # [head_dim/2]
-    angles = positions.float()[:, None] * freqs[None, :]  # [T, head_dim/2]  [6, 32]
+    angles = positions.float()[:, None] * freqs[None, :]  # [T, head_dim/2]
     # each pair (d, d + head_dim/2) shares an angle
     angles = torch.cat([angles, angles], dim=-1)  # [T, head_dim]
-    return angles.cos(), angles.sin()  # [T, head_dim] each  [6, 64]
+    return angles.cos(), angles.sin()  # [T, head_dim] each
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -81,7 +81,7 @@ def warp(logits: torch.Tensor, temperature: float, top_k: int | None = None,
     it: divide by the temperature; keep the top k logits; keep the most likely of those
     until they hold top_p of their own (renormalized) mass; renormalize what is kept."""
     logits = trace.record("sample.logits", "logits at the last position",
-                          logits.float())  # [V]  [32000]
+                          logits.float())  # [V]
     if temperature == 0:
         trace.record("sample.probs", "softmax(logits), shown: greedy takes the argmax",
                      torch.softmax(logits, -1))  # [V]
