@@ -54,16 +54,19 @@ class Positions:
         return cls(start, cos, sin, causal_mask(T, start + T, start, device))
 
 
-def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0):
+def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0, scale=0.0):
     """Scaled dot-product attention, step by step. q [..., T, d], k and v [..., S, d],
     mask [T, S]. Each query row scores every key, the mask removes the future, softmax
     turns scores into weights that sum to 1, and the output is the weighted sum of the
-    values."""
+    values. scale: the scores' factor, if not 1/sqrt(d) (Gemma's query_pre_attn_scalar)."""
     T, S, d = q.shape[-2], k.shape[-2], q.shape[-1]
     lead = math.prod(q.shape[:-2])  # batch x heads
-    scores = q @ k.transpose(-2, -1) / math.sqrt(d)  # [B, H, T, S]
-    scores = trace.record(f"{name}.scores", f"q @ k^T / sqrt({d})", scores,
-                          lead * T * S * d)
+    if scale:
+        scores, what = q @ k.transpose(-2, -1) * scale, f"q @ k^T * {scale:.6g}"
+    else:
+        scores, what = q @ k.transpose(-2, -1) / math.sqrt(d), f"q @ k^T / sqrt({d})"
+    scores = trace.record(f"{name}.scores", what, scores,
+                          lead * T * S * d)  # [B, H, T, S]
     if mask is not None:
         what = f"0 where key <= query position, -inf after ({start} cached)"
         mask = trace.record(f"{name}.causal_mask", what, mask)  # [T, S]
@@ -122,8 +125,8 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
     v_exp = repeat_kv(v_all.transpose(1, 2), config.n_rep)  # [B, H, S, hd]
     v_exp = trace.record(f"{name}.v_expanded", f"GQA: {KV} -> {H} heads", v_exp)
 
-    out = attend(q, k_exp, v_exp, pos.mask, trace, name,
-                 start)  # [B, H, T, hd]
+    out = attend(q, k_exp, v_exp, pos.mask, trace, name, start,
+                 config.attn_scale)  # [B, H, T, hd]
 
     out = out.transpose(1, 2).reshape(B, T, H * hd)  # [B, T, H*hd]
     out = trace.record(f"{name}.merged", "heads back side by side", out)

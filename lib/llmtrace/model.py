@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from .attention import Positions, attention
 from .check import check_ids
-from .config import LAYER_TENSORS, MODEL_TENSORS, Config, expected_shapes, hf_name
+from .config import (LAYER_TENSORS, MODEL_TENSORS, Config, expected_shapes, hf_name,
+                     tensor_shapes)
 from .embed import embed
 from .errors import LlmTraceError
 from .kv_cache import KVCache
@@ -36,6 +37,8 @@ class LayerWeights:
     gate: torch.Tensor  # [F, D]
     up: torch.Tensor  # [F, D]
     down: torch.Tensor  # [D, F]
+    post_attn_norm: torch.Tensor | None = None  # [D]  (sandwich_norm: Gemma)
+    post_mlp_norm: torch.Tensor | None = None  # [D]
 
 
 @dataclass
@@ -57,7 +60,8 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
             raise LlmTraceError(f"{source}: {name} has shape {list(sd[name].shape)} "
                                 f"but the config implies {list(shape)}: "
                                 "the checkpoint and its config.json disagree")
-    layers = [LayerWeights(**{f: sd[hf_name(f, i)] for f in LAYER_TENSORS})
+    has = tensor_shapes(c)  # only the tensors this config has
+    layers = [LayerWeights(**{f: sd[hf_name(f, i, c)] for f in LAYER_TENSORS if f in has})
               for i in range(c.n_layers)]
     embed = sd[hf_name("embed")]
     head = embed if c.tied_lm_head else sd[hf_name("lm_head")]
@@ -68,20 +72,26 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
     """The inverse, in HF naming (used to write HF checkpoints)."""
     sd = {hf_name(f): getattr(w, f) for f in MODEL_TENSORS if f != "lm_head" or not c.tied_lm_head}
     for i, lw in enumerate(w.layers):
-        sd.update({hf_name(f, i): getattr(lw, f) for f in LAYER_TENSORS})
+        sd.update({hf_name(f, i, c): getattr(lw, f) for f in LAYER_TENSORS
+                   if getattr(lw, f) is not None})
     return sd
 
 
 def block(x, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE,
           name="layers.0") -> torch.Tensor:
-    """One block, pre-norm: h = x + attention(norm(x)), then h + mlp(norm(h))."""
-    eps = config.norm_eps
-    h = rms_norm(x, w.attn_norm, eps, trace, f"{name}.attn_norm")  # [B, T, D]
+    """One block, pre-norm: h = x + attention(norm(x)), then h + mlp(norm(h)).
+    sandwich_norm (Gemma): each sublayer's output is normed too, before the add."""
+    eps, offset = config.norm_eps, config.norm_offset
+    h = rms_norm(x, w.attn_norm, eps, trace, f"{name}.attn_norm", offset)  # [B, T, D]
     h = attention(h, w, config, pos, cache, trace, f"{name}.attn")  # [B, T, D]
+    if config.sandwich_norm:
+        h = rms_norm(h, w.post_attn_norm, eps, trace, f"{name}.attn_post_norm", offset)
     x = trace.record(f"{name}.resid_mid", "x + attn(attn_norm(x))",
                      x + h)  # [B, T, D]
-    h = rms_norm(x, w.mlp_norm, eps, trace, f"{name}.mlp_norm")  # [B, T, D]
-    h = swiglu(h, w, trace, f"{name}.mlp")  # [B, T, D]
+    h = rms_norm(x, w.mlp_norm, eps, trace, f"{name}.mlp_norm", offset)  # [B, T, D]
+    h = swiglu(h, w, trace, f"{name}.mlp", config.mlp_act)  # [B, T, D]
+    if config.sandwich_norm:
+        h = rms_norm(h, w.post_mlp_norm, eps, trace, f"{name}.mlp_post_norm", offset)
     return trace.record(f"{name}.resid_out", "h + mlp(mlp_norm(h))",
                         x + h)  # [B, T, D]
 
@@ -121,11 +131,12 @@ class Model:
         ids = check_ids(ids, c.vocab_size, batch=True).to(self.device)  # [B, T]
         pos = Positions.of(start, ids.shape[1], c, self.device)  # shared by every layer
 
-        x = embed(ids, w.embed, trace)  # [B, T, D]
+        x = embed(ids, w.embed, trace, c.embed_scale)  # [B, T, D]
         for i, lw in enumerate(w.layers):
             layer_cache = None if cache is None else cache[i]
             x = block(x, lw, c, pos, layer_cache, trace, f"layers.{i}")  # [B, T, D]
-        x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm")  # [B, T, D]
+        x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm",
+                     c.norm_offset)  # [B, T, D]
         logits = F.linear(x, w.lm_head)  # [B, T, V]
         head = "tied: embed_tokens" if c.tied_lm_head else "lm_head"
         macs = x.shape[0] * x.shape[1] * c.hidden_size * c.vocab_size
