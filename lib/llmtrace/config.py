@@ -17,7 +17,8 @@ from .errors import LlmTraceError
 
 # the integer fields and their least value (head_dim 0 means hidden_size // n_heads)
 INT_FIELDS = {"vocab_size": 1, "hidden_size": 1, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1,
-              "ffn_size": 1, "max_positions": 1, "head_dim": 0, "bos_id": 0, "eos_id": 0}
+              "ffn_size": 1, "max_positions": 1, "head_dim": 0, "bos_id": 0, "eos_id": 0,
+              "sliding_window": 0}
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,14 @@ class Config:
     bos_id: int = 1
     eos_id: int = 2
     head_dim: int = 0  # 0 means hidden_size // n_heads
+    # What today's families change (each default is Llama 2's, so a Llama config is untouched):
+    family: str = "llama"  # the HF model_type: llama, mistral, qwen2, qwen3
+    qkv_bias: bool = False  # Qwen2: a bias vector added to Q, K and V
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of Q and K, before RoPE
+    sliding_window: int = 0  # Mistral: a query sees only its last W keys (0: all earlier ones)
+    # Llama 3.x: HF's rope_scaling as sorted (key, value) pairs, e.g. (("factor", 32.0), ...,
+    # ("rope_type", "llama3")); () is plain RoPE
+    rope_scaling: tuple = ()
 
     def __post_init__(self):
         problems = []
@@ -52,6 +61,8 @@ class Config:
                 problems.append(f"{field}={value!r} must be a finite number")
             elif value < 0 or (value == 0 and rule == "positive"):
                 problems.append(f"{field}={value:g} must be {rule}")
+        if isinstance(self.rope_scaling, dict):  # as HF writes it: keep it hashable, in order
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
         if problems:  # before anything below divides by a head count
             raise LlmTraceError(f"config {self.name!r}: " + "; ".join(problems))
         if self.head_dim == 0:
@@ -115,9 +126,10 @@ class Config:
         if not isinstance(c, dict):
             raise LlmTraceError(f"{where} holds a {type(c).__name__}, not an object of settings: "
                                 f"it is not a Hugging Face config.json")
-        if c.get("model_type", "llama") not in ("llama", "mistral"):
-            raise LlmTraceError(f"model_type {c.get('model_type')!r} is not a Llama-family model")
-        refuse_unsupported(c, where)
+        refuse_unsupported(c, where)  # first: it names what a refused model_type lacks
+        family = c.get("model_type", "llama")
+        if family not in FAMILIES:
+            raise LlmTraceError(f"model_type {family!r} is not a Llama-family model: {COMPUTED}")
 
         def get(key, kind, default=None):
             value = c.get(key, default)
@@ -152,13 +164,36 @@ class Config:
             bos_id=get("bos_token_id", int, 1),
             eos_id=2 if eos is None else eos,
             head_dim=get("head_dim", int, 0),
+            family=family,
+            # Mistral's window; Qwen's (use_sliding_window) is refused, Llama's HF ignores
+            sliding_window=get("sliding_window", int, 0) if family == "mistral" else 0,
+            rope_scaling=rope_scaling_of(c, where),
+            **FAMILIES[family][1],  # what the family always has: Qwen2's bias, Qwen3's norm
         )
 
     def to_hf(self) -> dict:
-        """The `config.json` a Hugging Face `LlamaForCausalLM` needs for these shapes."""
+        """The `config.json` HF's model class of this family (`LlamaForCausalLM`...) needs for
+        these shapes."""
+        if self.family not in FAMILIES:
+            raise LlmTraceError(f"config {self.name!r}: family {self.family!r} has no Hugging "
+                                f"Face class here: use one of {', '.join(FAMILIES)}")
+        architecture, implied = FAMILIES[self.family]
+        switches = {k: getattr(self, k) for k in ("qkv_bias", "qk_norm")}
+        if switches != {**dict.fromkeys(switches, False), **implied}:
+            raise LlmTraceError(f"config {self.name!r}: {switches} is not what HF's "
+                                f"{architecture} computes: set family to the model_type that has it")
+        if self.sliding_window and self.family != "mistral":
+            raise LlmTraceError(f"config {self.name!r}: sliding_window={self.sliding_window} "
+                                f"with family {self.family!r}: only Mistral's is written")
+        extra = {}
+        if self.rope_scaling:
+            extra["rope_scaling"] = dict(self.rope_scaling)
+        if self.family == "mistral":
+            extra["sliding_window"] = self.sliding_window or None
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [architecture],
+            "model_type": self.family,
+            **extra,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.n_layers,
@@ -199,10 +234,10 @@ class Config:
         scaling = fields.get("llama.rope.scaling.type")
         if scaling not in (None, "none"):
             raise LlmTraceError(f"GGUF rope scaling {scaling!r} (RoPE stretched for long contexts) "
-                                f"is not implemented: {LLAMA2}")
+                                f"is not read from GGUF: load the Hugging Face checkpoint")
         if fields.get("llama.expert_count"):
             raise LlmTraceError(f"GGUF llama.expert_count={fields['llama.expert_count']} "
-                                f"(a mixture of experts) is not implemented: {LLAMA2}")
+                                f"(a mixture of experts) is not implemented: {COMPUTED}")
         tokens = fields.get("tokenizer.ggml.tokens")
         vocab = fields.get("llama.vocab_size") or (len(tokens) if isinstance(tokens, list) else 0)
         if not vocab:
@@ -230,7 +265,18 @@ class Config:
 
 
 KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false"}
-LLAMA2 = "llmtrace computes the Llama-2 architecture (plain RoPE, SiLU, no biases, full attention)"
+# model_type -> (HF model class, the switches the family always has)
+FAMILIES = {"llama": ("LlamaForCausalLM", {}),
+            "mistral": ("MistralForCausalLM", {}),
+            "qwen2": ("Qwen2ForCausalLM", {"qkv_bias": True}),
+            "qwen3": ("Qwen3ForCausalLM", {"qk_norm": True})}
+COMPUTED = "llmtrace computes dense Llama-family models (Llama 2 and 3, Mistral, Qwen2, Qwen3)"
+# what each kind of model that llmtrace does not compute is called, and what it does instead
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "dbrx",
+       "granitemoe", "phimoe", "jamba", "llama4", "gpt_oss")
+MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+SOFTCAP = ("gemma2",)
+LLAMA3_KEYS = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
 
 
 def read_json(path: Path, what: str):
@@ -244,29 +290,78 @@ def read_json(path: Path, what: str):
         raise LlmTraceError(f"cannot read {path} ({e.strerror or e})") from None
 
 
+def rope_kind(c: dict):
+    """(type, parameters) of a config's RoPE: HF's older `rope_scaling` or 5.x's
+    `rope_parameters`; ("default", {}) for plain RoPE."""
+    for key in ("rope_scaling", "rope_parameters"):
+        params = c.get(key)
+        if isinstance(params, dict):
+            kind = params.get("rope_type") or params.get("type") or "default"
+            if kind != "default":
+                return kind, params
+        elif params is not None:
+            return params, {}
+    return "default", {}
+
+
+def rope_scaling_of(c: dict, where: str) -> tuple:
+    """Llama 3's rope_scaling as sorted (key, value) pairs, checked; () for plain RoPE."""
+    kind, params = rope_kind(c)
+    if kind == "default":
+        return ()
+    values = {k: params.get(k) for k in LLAMA3_KEYS}
+    bad = [k for k, v in values.items()
+           if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0]
+    if bad or values["high_freq_factor"] <= values["low_freq_factor"]:
+        raise LlmTraceError(f"{where}: rope_scaling of type 'llama3' needs positive "
+                            f"{', '.join(LLAMA3_KEYS)} (high above low), got "
+                            f"{ {k: values[k] for k in bad} or values }")
+    return tuple(sorted({**values, "rope_type": "llama3"}.items()))
+
+
 def refuse_unsupported(c: dict, where: str) -> None:
     """Settings that change what the model computes, which this forward pass does not implement:
     running such a checkpoint would print wrong logits as if they were right."""
-    rope = c.get("rope_scaling") or {}
-    params = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
-    kind = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else rope
-    kind = kind or params.get("rope_type", "default")
-    if kind not in ("default", None):
+    family = c.get("model_type", "llama")
+    experts = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if isinstance(c.get(k), int) and c[k] > 0), None)
+    if experts or family in MOE:
+        what = f"{experts}={c[experts]}" if experts else f"model_type {family!r}"
+        raise LlmTraceError(f"{where}: a mixture of experts ({what}: each token goes through a "
+                            f"few of many MLPs) is not implemented: {COMPUTED}")
+    latent = next((k for k in ("kv_lora_rank", "q_lora_rank") if c.get(k)), None)
+    if latent or family in MLA:
+        what = f"{latent}={c[latent]}" if latent else f"model_type {family!r}"
+        raise LlmTraceError(f"{where}: multi-head latent attention ({what}: K and V rebuilt "
+                            f"from a small latent) is not implemented: {COMPUTED}")
+    capped = next((k for k in ("attn_logit_softcapping", "final_logit_softcapping")
+                   if c.get(k)), None)
+    if capped or family in SOFTCAP:
+        what = f"{capped}={c[capped]}" if capped else f"model_type {family!r}"
+        raise LlmTraceError(f"{where}: attention logit soft-capping ({what}: scores squashed "
+                            f"by tanh) is not implemented: {COMPUTED}")
+    kind, _ = rope_kind(c)
+    if kind not in ("default", "llama3"):
         raise LlmTraceError(f"{where}: rope_scaling of type {kind!r} (RoPE stretched for long "
-                            f"contexts, as in Llama 3.x) is not implemented: {LLAMA2}")
+                            f"contexts) is not implemented, only Llama 3's 'llama3': {COMPUTED}")
     act = c.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise LlmTraceError(f"{where}: hidden_act {act!r} is not implemented (the MLP is SwiGLU, "
-                            f"with SiLU): {LLAMA2}")
-    for key in ("attention_bias", "mlp_bias"):
+                            f"with SiLU): {COMPUTED}")
+    # Qwen2's bias on Q, K and V is computed (its class ignores the key); in Llama and Qwen3,
+    # attention_bias=true adds one to the output projection too. Mistral's class ignores both.
+    biased = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}
+    for key in biased.get(family, ()):
         if c.get(key):
             raise LlmTraceError(f"{where}: {key}=true (projections with a bias vector) is not "
-                                f"implemented: {LLAMA2}")
-    window, positions = c.get("sliding_window"), c.get("max_position_embeddings", 2048)
-    full = isinstance(window, int) and isinstance(positions, int) and window >= positions
-    if window and not full:  # a window as long as the context never slides
-        raise LlmTraceError(f"{where}: sliding_window={window} (attention to the last {window} "
-                            f"positions only) is not implemented: {LLAMA2}")
+                                f"implemented, only Qwen2's bias on Q, K and V: {COMPUTED}")
+    layers = c.get("layer_types") if isinstance(c.get("layer_types"), list) else []
+    if family in ("qwen2", "qwen3") and (
+            "sliding_attention" in layers or c.get("use_sliding_window") and
+            c.get("max_window_layers", 28) < c.get("num_hidden_layers", 0)):
+        raise LlmTraceError(f"{where}: use_sliding_window=true (a window on the layers from "
+                            f"max_window_layers on, full attention below) is not implemented: "
+                            f"{COMPUTED}")
 
 
 # Presets by name, as keyword configs (as gpt-fast writes them); `Config.from_name` reads them.
@@ -295,6 +390,11 @@ LAYER_TENSORS = {
     "q_proj": ("self_attn.q_proj.weight", "attn_q.weight"),
     "k_proj": ("self_attn.k_proj.weight", "attn_k.weight"),
     "v_proj": ("self_attn.v_proj.weight", "attn_v.weight"),
+    "q_bias": ("self_attn.q_proj.bias", "attn_q.bias"),  # qkv_bias (Qwen2)
+    "k_bias": ("self_attn.k_proj.bias", "attn_k.bias"),
+    "v_bias": ("self_attn.v_proj.bias", "attn_v.bias"),
+    "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),  # qk_norm (Qwen3)
+    "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
     "o_proj": ("self_attn.o_proj.weight", "attn_output.weight"),
     "mlp_norm": ("post_attention_layernorm.weight", "ffn_norm.weight"),
     "gate": ("mlp.gate_proj.weight", "ffn_gate.weight"),
@@ -317,14 +417,20 @@ def hf_name(field: str, layer: int | None = None) -> str:
 
 
 def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
-    """The shape the config implies for each field of `Weights` and `LayerWeights`; a tied LM
-    head has no tensor of its own."""
+    """The shape the config implies for each field of `Weights` and `LayerWeights` this config
+    has, in model order: a tied LM head has no tensor of its own, a family's extras appear only
+    when its switch is on."""
     D, hd, V, F = c.hidden_size, c.head_dim, c.vocab_size, c.ffn_size
     shapes = {"embed": (V, D),
               "attn_norm": (D,), "q_proj": (c.n_heads * hd, D), "k_proj": (c.kv_size, D),
-              "v_proj": (c.kv_size, D), "o_proj": (D, c.n_heads * hd),
-              "mlp_norm": (D,), "gate": (F, D), "up": (F, D), "down": (D, F),
-              "final_norm": (D,)}
+              "v_proj": (c.kv_size, D)}
+    if c.qkv_bias:
+        shapes.update(q_bias=(c.n_heads * hd,), k_bias=(c.kv_size,), v_bias=(c.kv_size,))
+    if c.qk_norm:  # one weight per head dimension, shared by every head
+        shapes.update(q_norm=(hd,), k_norm=(hd,))
+    shapes.update({"o_proj": (D, c.n_heads * hd),
+                   "mlp_norm": (D,), "gate": (F, D), "up": (F, D), "down": (D, F),
+                   "final_norm": (D,)})
     if not c.tied_lm_head:
         shapes["lm_head"] = (V, D)
     return shapes
@@ -335,5 +441,5 @@ def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
     shapes = tensor_shapes(c)
     out = {hf_name(f): shapes[f] for f in MODEL_TENSORS if f in shapes}
     for i in range(c.n_layers):
-        out.update({hf_name(f, i): shapes[f] for f in LAYER_TENSORS})
+        out.update({hf_name(f, i): shapes[f] for f in LAYER_TENSORS if f in shapes})
     return out

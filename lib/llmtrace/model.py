@@ -36,6 +36,11 @@ class LayerWeights:
     gate: torch.Tensor  # [F, D]
     up: torch.Tensor  # [F, D]
     down: torch.Tensor  # [D, F]
+    q_bias: torch.Tensor | None = None  # [H*hd]   qkv_bias (Qwen2)
+    k_bias: torch.Tensor | None = None  # [KV*hd]
+    v_bias: torch.Tensor | None = None  # [KV*hd]
+    q_norm: torch.Tensor | None = None  # [hd]     qk_norm (Qwen3)
+    k_norm: torch.Tensor | None = None  # [hd]
 
 
 @dataclass
@@ -49,7 +54,8 @@ class Weights:
 def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
                             source: str = "checkpoint") -> Weights:
     """Check every tensor against the config, then arrange them by layer."""
-    for name, shape in expected_shapes(c).items():
+    expected = expected_shapes(c)
+    for name, shape in expected.items():
         if name not in sd:
             raise LlmTraceError(f"{source}: tensor {name} is missing "
                                 f"(config {c.name!r} expects it)")
@@ -57,7 +63,8 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
             raise LlmTraceError(f"{source}: {name} has shape {list(sd[name].shape)} "
                                 f"but the config implies {list(shape)}: "
                                 "the checkpoint and its config.json disagree")
-    layers = [LayerWeights(**{f: sd[hf_name(f, i)] for f in LAYER_TENSORS})
+    layers = [LayerWeights(**{f: sd[hf_name(f, i)] for f in LAYER_TENSORS
+                              if hf_name(f, i) in expected})
               for i in range(c.n_layers)]
     embed = sd[hf_name("embed")]
     head = embed if c.tied_lm_head else sd[hf_name("lm_head")]
@@ -68,7 +75,8 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
     """The inverse, in HF naming (used to write HF checkpoints)."""
     sd = {hf_name(f): getattr(w, f) for f in MODEL_TENSORS if f != "lm_head" or not c.tied_lm_head}
     for i, lw in enumerate(w.layers):
-        sd.update({hf_name(f, i): getattr(lw, f) for f in LAYER_TENSORS})
+        sd.update({hf_name(f, i): getattr(lw, f) for f in LAYER_TENSORS
+                   if getattr(lw, f) is not None})
     return sd
 
 
@@ -256,7 +264,7 @@ def check_trace_budget(config: Config, trace, T: int, decode_steps: int = 0) -> 
     keep_freed_memory_if_asked()
 
 
-MAY_HOLD_MINUS_INF = ("causal_mask", "masked_scores")  # -inf there is the mask, by design
+MAY_HOLD_MINUS_INF = ("causal_mask", "window_mask", "masked_scores")  # -inf there is the mask, by design
 
 
 def not_finite(name: str, t: torch.Tensor) -> bool:
