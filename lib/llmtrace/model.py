@@ -37,6 +37,11 @@ class LayerWeights:
     gate: torch.Tensor  # [F, D]
     up: torch.Tensor  # [F, D]
     down: torch.Tensor  # [D, F]
+    q_bias: torch.Tensor | None = None  # [H*hd]   qkv_bias (Qwen2)
+    k_bias: torch.Tensor | None = None  # [KV*hd]
+    v_bias: torch.Tensor | None = None  # [KV*hd]
+    q_norm: torch.Tensor | None = None  # [hd]     qk_norm (Qwen3)
+    k_norm: torch.Tensor | None = None  # [hd]
     post_attn_norm: torch.Tensor | None = None  # [D]  (sandwich_norm: Gemma)
     post_mlp_norm: torch.Tensor | None = None  # [D]
 
@@ -52,7 +57,8 @@ class Weights:
 def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
                             source: str = "checkpoint") -> Weights:
     """Check every tensor against the config, then arrange them by layer."""
-    for name, shape in expected_shapes(c).items():
+    expected = expected_shapes(c)
+    for name, shape in expected.items():
         if name not in sd:
             raise LlmTraceError(f"{source}: tensor {name} is missing "
                                 f"(config {c.name!r} expects it)")
@@ -134,7 +140,9 @@ class Model:
         x = embed(ids, w.embed, trace, c.embed_scale)  # [B, T, D]
         for i, lw in enumerate(w.layers):
             layer_cache = None if cache is None else cache[i]
-            x = block(x, lw, c, pos, layer_cache, trace, f"layers.{i}")  # [B, T, D]
+            # Gemma 3: a sliding layer has positions of its own (window, RoPE base)
+            layer_pos = pos.local if pos.local and c.is_sliding(i) else pos
+            x = block(x, lw, c, layer_pos, layer_cache, trace, f"layers.{i}")  # [B, T, D]
         x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm",
                      c.norm_offset)  # [B, T, D]
         logits = F.linear(x, w.lm_head)  # [B, T, V]
@@ -267,7 +275,7 @@ def check_trace_budget(config: Config, trace, T: int, decode_steps: int = 0) -> 
     keep_freed_memory_if_asked()
 
 
-MAY_HOLD_MINUS_INF = ("causal_mask", "masked_scores")  # -inf there is the mask, by design
+MAY_HOLD_MINUS_INF = ("causal_mask", "window_mask", "masked_scores")  # -inf there is the mask, by design
 
 
 def not_finite(name: str, t: torch.Tensor) -> bool:
