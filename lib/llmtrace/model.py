@@ -221,6 +221,9 @@ def estimate_trace_bytes(config: Config, T: int, S: int | None = None) -> int:
     q, kv, H = config.n_heads * config.head_dim, config.kv_size, config.n_heads
     per_layer = (T * (6 * D + 5 * q + 5 * kv + 4 * F + 2) + S * 2 * (kv + q)
                  + T * S * (3 * H + 1))
+    per_layer += (T * (q + 2 * kv) * config.qkv_bias  # the biased projections
+                  + T * (q + kv + H + config.n_kv_heads) * config.qk_norm  # norms, mean_sq
+                  + T * S * bool(config.sliding_window))  # the window's mask
     outside = T * (2 * D + 1 + V) + 2 * T  # embed, final norm, lm_head; int64 token ids
     return 4 * (config.n_layers * per_layer + outside)
 
