@@ -11,7 +11,8 @@ from llmtrace import generate, load_model
 from llmtrace.config import Config, expected_shapes
 from llmtrace.cost import parameter_count
 from llmtrace.errors import LlmTraceError
-from llmtrace.model import Model, trace_shapes
+from llmtrace.model import Model, estimate_trace_bytes, trace_bytes, trace_shapes
+from llmtrace.trace import Trace
 
 TINY_GEMMA3 = dict(
     vocab_size=32000, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
@@ -84,6 +85,18 @@ def test_decode_with_cache_matches_hf(gemma):
         row = theirs[PROMPT_LEN - 1 + step]
         assert (ours - row).abs().max().item() < 1e-4, f"step {step}"
         assert g.new_ids[step] == int(row.argmax())
+
+
+def test_trace_size_estimate_counts_gemma_records(gemma):
+    """The closed form, the meta pass (one layer of each kind) and a real trace agree."""
+    model = gemma[0]
+    _, trace = model.run(prompt_ids())
+    kept = sum(r.tensor.numel() * r.tensor.element_size() for r in trace if r.tensor is not None)
+    T = PROMPT_LEN
+    assert estimate_trace_bytes(model.config, T) == trace_bytes(
+        model.config, Trace(names="*"), T) == kept
+    only_windows = Trace(names="layers.*.attn.window_mask")
+    assert trace_bytes(model.config, only_windows, T) == 2 * 4 * T * T  # 2 sliding layers
 
 
 SWITCHES_OFF = dict(norm_offset=False, sandwich_norm=False, mlp_act="silu", embed_scale=False,

@@ -69,10 +69,10 @@ class Positions:
         S, W = start + T, config.sliding_window
         causal = causal_mask(T, S, start, device)
         window = window_mask(T, S, start, W, device) if W else None
-        if not config.layer_types:  # every layer alike (Mistral: all in the window)
+        if not config.layer_types:  # every layer alike (Mistral: all slide)
             return cls(start, cos, sin, causal, window)
-        # Gemma 3: full layers see every earlier key; sliding layers see the window
-        # and turn at a RoPE base of their own
+        # Gemma 3: full layers see every earlier key; sliding layers see
+        # the window, and turn at a RoPE base of their own
         local = config.rope_local_theta or config.rope_theta
         local_cos, local_sin = rope_cos_sin(positions, config.head_dim, local)
         return cls(start, cos, sin, causal, None, config.rope_theta,
@@ -85,15 +85,15 @@ def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0, window=None
     mask [T, S]. Each query row scores every key, the mask removes the future, softmax
     turns scores into weights that sum to 1, and the output is the weighted sum of the
     values. window [T, S]: a sliding window's mask, added to the causal one.
-    scale: the scores' factor, if not 1/sqrt(d) (Gemma's query_pre_attn_scalar)."""
+    scale: the scores' factor, if not 1/sqrt(d) (Gemma)."""
     T, S, d = q.shape[-2], k.shape[-2], q.shape[-1]
     lead = math.prod(q.shape[:-2])  # batch x heads
-    if scale:
-        scores, what = q @ k.transpose(-2, -1) * scale, f"q @ k^T * {scale:.6g}"
+    scores = q @ k.transpose(-2, -1)  # [B, H, T, S]
+    if scale:  # Gemma: query_pre_attn_scalar^-0.5
+        scores, what = scores * scale, f"q @ k^T * {scale:.6g}"
     else:
-        scores, what = q @ k.transpose(-2, -1) / math.sqrt(d), f"q @ k^T / sqrt({d})"
-    scores = trace.record(f"{name}.scores", what, scores,
-                          lead * T * S * d)  # [B, H, T, S]
+        scores, what = scores / math.sqrt(d), f"q @ k^T / sqrt({d})"
+    scores = trace.record(f"{name}.scores", what, scores, lead * T * S * d)
     if mask is not None:
         what = f"0 where key <= query position, -inf after ({start} cached)"
         mask = trace.record(f"{name}.causal_mask", what, mask)  # [T, S]

@@ -483,6 +483,30 @@ PRESETS: dict[str, dict] = {
     # a 70B-class config: Llama-2-70B (GQA 64 / 8)
     "llama-2-70b": dict(vocab_size=32000, hidden_size=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                         ffn_size=28672, max_positions=4096),
+    # Today's families, shapes only, from each model's published config.json on the Hugging Face
+    # hub (the values transformers' docs quote). meta-llama/Llama-3.2-1B: tied head, llama3 RoPE
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, n_layers=16, n_heads=32,
+                         n_kv_heads=8, ffn_size=8192, max_positions=131072,
+                         rope_theta=500000.0, tied_lm_head=True, bos_id=128000, eos_id=128001,
+                         rope_scaling=dict(factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0,
+                                           original_max_position_embeddings=8192,
+                                           rope_type="llama3")),
+    # meta-llama/Llama-3.1-8B
+    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32,
+                         n_kv_heads=8, ffn_size=14336, max_positions=131072,
+                         rope_theta=500000.0, bos_id=128000, eos_id=128001,
+                         rope_scaling=dict(factor=8.0, high_freq_factor=4.0, low_freq_factor=1.0,
+                                           original_max_position_embeddings=8192,
+                                           rope_type="llama3")),
+    # Qwen/Qwen3-0.6B: QK-norm, head_dim 128 though hidden / heads is 64, tied head
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, n_layers=28, n_heads=16, n_kv_heads=8,
+                       ffn_size=3072, max_positions=40960, rope_theta=1000000.0, norm_eps=1e-6,
+                       tied_lm_head=True, bos_id=151643, eos_id=151645, head_dim=128,
+                       family="qwen3", qk_norm=True),
+    # mistralai/Mistral-7B-v0.1: a window of 4096 positions in a context of 32768
+    "mistral-7b-v0.1": dict(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32,
+                            n_kv_heads=8, ffn_size=14336, max_positions=32768,
+                            family="mistral", sliding_window=4096),
     # google/gemma-3-270m config.json (every 6th layer global; a 512-token window elsewhere)
     "gemma-3-270m": dict(vocab_size=262144, hidden_size=640, n_layers=18, n_heads=4,
                          n_kv_heads=1, ffn_size=2048, max_positions=32768,
@@ -494,7 +518,7 @@ PRESETS: dict[str, dict] = {
                          family="gemma3_text"),
 }
 ALIASES = {"tinyllama": "tinyllama-1.1b", "smollm2": "smollm2-135m", "embedded": "smollm2-135m",
-           "7b": "llama-2-7b", "70b": "llama-2-70b"}
+           "7b": "llama-2-7b", "70b": "llama-2-70b", "mistral-7b": "mistral-7b-v0.1"}
 
 # The one table of the weights' names. A layer's tensors: `LayerWeights` field -> (its Hugging Face
 # name after "model.layers.N.", its GGUF name after "blk.N."); then the tensors outside the layers:

@@ -12,7 +12,8 @@ def embed(ids: torch.Tensor, table: torch.Tensor, trace=NO_TRACE,
     x = F.embedding(ids, table)  # [B, T, D]
     V, D = table.shape
     x = trace.record("embed", f"row lookup in embed_tokens [{V}, {D}]", x)
-    if scale:  # Gemma: the rows are stored small; sqrt(D), rounded to the table's dtype as HF
+    if scale:  # Gemma stores small rows; sqrt(D) in the table's dtype, as HF
         s = torch.tensor(D**0.5, dtype=table.dtype).item()
-        x = trace.record("embed.scaled", f"x * sqrt({D}) = x * {s:.6g}", x * s)  # [B, T, D]
+        x = trace.record("embed.scaled", f"x * sqrt({D}) = x * {s:.6g}",
+                         x * s)  # [B, T, D]
     return x

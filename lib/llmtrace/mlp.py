@@ -18,8 +18,8 @@ def swiglu(x: torch.Tensor, w, trace=NO_TRACE, name: str = "mlp",
                         F.linear(x, w.gate), B * T * D * Fsz)  # [B, T, F]
     up = trace.record(f"{name}.up", "x @ W_up^T",
                       F.linear(x, w.up), B * T * D * Fsz)  # [B, T, F]
-    if act == "gelu_tanh":  # GeGLU: x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-        a = trace.record(f"{name}.act", "gelu_tanh(gate), GELU's tanh approximation",
+    if act == "gelu_tanh":  # GeGLU (Gemma): GELU in its tanh approximation
+        a = trace.record(f"{name}.act", "gelu_tanh(gate): GELU, tanh form",
                          F.gelu(gate, approximate="tanh"))  # [B, T, F]
     else:
         a = trace.record(f"{name}.act", "silu(gate) = gate * sigmoid(gate)",

@@ -87,17 +87,21 @@ def block(x, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE
           name="layers.0") -> torch.Tensor:
     """One block, pre-norm: h = x + attention(norm(x)), then h + mlp(norm(h)).
     sandwich_norm (Gemma): each sublayer's output is normed too, before the add."""
-    eps, offset = config.norm_eps, config.norm_offset
-    h = rms_norm(x, w.attn_norm, eps, trace, f"{name}.attn_norm", offset)  # [B, T, D]
+    eps, off = config.norm_eps, config.norm_offset
+    h = rms_norm(x, w.attn_norm, eps, trace, f"{name}.attn_norm",
+                 off)  # [B, T, D]
     h = attention(h, w, config, pos, cache, trace, f"{name}.attn")  # [B, T, D]
     if config.sandwich_norm:
-        h = rms_norm(h, w.post_attn_norm, eps, trace, f"{name}.attn_post_norm", offset)
+        h = rms_norm(h, w.post_attn_norm, eps, trace, f"{name}.attn_post_norm",
+                     off)  # [B, T, D]
     x = trace.record(f"{name}.resid_mid", "x + attn(attn_norm(x))",
                      x + h)  # [B, T, D]
-    h = rms_norm(x, w.mlp_norm, eps, trace, f"{name}.mlp_norm", offset)  # [B, T, D]
+    h = rms_norm(x, w.mlp_norm, eps, trace, f"{name}.mlp_norm",
+                 off)  # [B, T, D]
     h = swiglu(h, w, trace, f"{name}.mlp", config.mlp_act)  # [B, T, D]
     if config.sandwich_norm:
-        h = rms_norm(h, w.post_mlp_norm, eps, trace, f"{name}.mlp_post_norm", offset)
+        h = rms_norm(h, w.post_mlp_norm, eps, trace, f"{name}.mlp_post_norm",
+                     off)  # [B, T, D]
     return trace.record(f"{name}.resid_out", "h + mlp(mlp_norm(h))",
                         x + h)  # [B, T, D]
 
@@ -140,9 +144,10 @@ class Model:
         x = embed(ids, w.embed, trace, c.embed_scale)  # [B, T, D]
         for i, lw in enumerate(w.layers):
             layer_cache = None if cache is None else cache[i]
-            # Gemma 3: a sliding layer has positions of its own (window, RoPE base)
+            # Gemma 3: a sliding layer has its own positions (window, RoPE base)
             layer_pos = pos.local if pos.local and c.is_sliding(i) else pos
-            x = block(x, lw, c, layer_pos, layer_cache, trace, f"layers.{i}")  # [B, T, D]
+            x = block(x, lw, c, layer_pos, layer_cache, trace,
+                      f"layers.{i}")  # [B, T, D]
         x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm",
                      c.norm_offset)  # [B, T, D]
         logits = F.linear(x, w.lm_head)  # [B, T, V]
@@ -232,19 +237,29 @@ def estimate_trace_bytes(config: Config, T: int, S: int | None = None) -> int:
     q, kv, H = config.n_heads * config.head_dim, config.kv_size, config.n_heads
     per_layer = (T * (6 * D + 5 * q + 5 * kv + 4 * F + 2) + S * 2 * (kv + q)
                  + T * S * (3 * H + 1))
+    per_layer += (T * (q + 2 * kv) * config.qkv_bias  # the biased projections
+                  + T * (q + kv + H + config.n_kv_heads) * config.qk_norm  # norms, mean_sq
+                  + 2 * T * (D + 1) * config.sandwich_norm)  # Gemma's norms after sublayers
+    windows = sum(map(config.is_sliding, range(config.n_layers)))  # layers with a window mask
     outside = T * (2 * D + 1 + V) + 2 * T  # embed, final norm, lm_head; int64 token ids
-    return 4 * (config.n_layers * per_layer + outside)
+    outside += T * D * config.embed_scale  # Gemma's scaled embedding
+    return 4 * (config.n_layers * per_layer + windows * T * S + outside)
 
 
 def trace_bytes(config: Config, trace: Trace, T: int, decode_steps: int = 0) -> int:
     """Bytes the kept values of a prefill of T positions and `decode_steps` one-token steps would
     hold. Every value: `estimate_trace_bytes`. A filter: counted from a shapes-only pass of one
-    layer on the meta device (each layer records the same shapes). Each decode step is counted as
-    the last, the largest; views as if they were copies: an upper bound."""
+    layer on the meta device (each layer records the same shapes; Gemma 3: one layer of each
+    kind). Each decode step is counted as the last, the largest; views as if they were copies:
+    an upper bound."""
     if trace.keeps_all:  # every value: the closed form, no pass needed
         return estimate_trace_bytes(config, T) + decode_steps * estimate_trace_bytes(
             config, 1, T + decode_steps)
-    one = meta_model(config.replace(n_layers=1))
+    kinds = tuple(dict.fromkeys(config.layer_types))  # () when every layer is alike
+    one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds))
+    # the layers each layer of `one` stands for
+    like = [[i for i in range(config.n_layers) if not kinds or config.layer_types[i] == kind]
+            for kind in kinds or [None]]
 
     def kept(ids, cache=None, start=0) -> int:
         t = Trace(keep_values=False)
@@ -252,9 +267,9 @@ def trace_bytes(config: Config, trace: Trace, T: int, decode_steps: int = 0) -> 
         total = 0
         for r in t:
             size = BYTES.get(r.dtype, 4) * math.prod(r.shape)
-            names = ([r.name.replace("layers.0.", f"layers.{i}.", 1)
-                      for i in range(config.n_layers)] if r.name.startswith("layers.0.")
-                     else [r.name])
+            j = int(r.name.split(".")[1]) if r.name.startswith("layers.") else None
+            names = ([r.name.replace(f"layers.{j}.", f"layers.{i}.", 1) for i in like[j]]
+                     if j is not None else [r.name])
             total += size * sum(trace.keeps(n) for n in names)
         return total
 
