@@ -99,20 +99,21 @@ def test_trace_size_estimate_counts_gemma_records(gemma):
     assert trace_bytes(model.config, only_windows, T) == 2 * 4 * T * T  # 2 sliding layers
 
 
+# each Gemma switch back to Llama's default (layer_types=(): the window on every layer, as Mistral)
 SWITCHES_OFF = dict(norm_offset=False, sandwich_norm=False, mlp_act="silu", embed_scale=False,
-                    attn_scale=0.0, layer_types=(), rope_local_theta=0.0)
+                    attn_scale=0.0, layer_types=(), rope_local_theta=0.0, qk_norm=False)
 
 
 @pytest.mark.parametrize("switch", SWITCHES_OFF)
 @torch.inference_mode()
 def test_each_switch_matters(gemma, switch):
-    """Turn one switch back to Llama's default: the logits leave HF's. (With sandwich_norm off
-    the post-sublayer norm weights are simply not read.)"""
+    """Turn one switch back to Llama's default: the logits leave HF's by far more than the
+    tolerance (measured: 0.08 for GeGLU to 1.5 for the sandwich norms, logits up to 0.9)."""
     model, hf = gemma
     c = model.config.replace(**{switch: SWITCHES_OFF[switch]})
     ids = prompt_ids()
     ours = Model(c, model.weights).forward(ids)
-    assert (ours - hf(ids).logits).abs().max().item() > 1e-3
+    assert (ours - hf(ids).logits).abs().max().item() > 100 * 1e-4
 
 
 def test_gemma_3_270m_parameters_match_hf_meta():
