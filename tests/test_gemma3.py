@@ -72,6 +72,9 @@ def test_prefill_logits_match_hf(gemma):
         assert name in trace
     assert "layers.0.attn.window_mask" in trace and "layers.1.attn.window_mask" not in trace
     assert "gelu_tanh" in trace.get("layers.0.mlp.act").op
+    # the table folds layers 1..3 without calling them the same ops
+    table = " ".join(trace.table(layers=1).split())  # its op column wraps
+    assert "3 more layers; attn.window_mask in some only" in table
 
 
 @torch.inference_mode()
