@@ -80,7 +80,7 @@ def test_prefill_logits_match_hf(gemma):
 @torch.inference_mode()
 def test_decode_with_cache_matches_hf(gemma):
     """Greedy decode reading the KV cache, positions 11..17 with a window of 4, against HF's
-    forward over the whole sequence at once."""
+    forward over the whole sequence at once, and against HF's own cached decode."""
     model, hf = gemma
     g = generate(model, prompt_ids(), max_new_tokens=7, trace=False, stop_at_eos=False)
     theirs = hf(torch.tensor([g.ids[:-1]])).logits[0]  # [T + 6, V]
@@ -88,6 +88,9 @@ def test_decode_with_cache_matches_hf(gemma):
         row = theirs[PROMPT_LEN - 1 + step]
         assert (ours - row).abs().max().item() < 1e-4, f"step {step}"
         assert g.new_ids[step] == int(row.argmax())
+    # and HF's own greedy decode, through its cache (a sliding one on the local layers)
+    out = hf.generate(prompt_ids(), max_new_tokens=7, do_sample=False)
+    assert out[0, PROMPT_LEN:].tolist() == g.new_ids
 
 
 def test_trace_size_estimate_counts_gemma_records(gemma):
