@@ -56,7 +56,8 @@ def test_config_read_from_hf(gemma):
     assert (c.rope_theta, c.rope_local_theta) == (1e6, 1e4)
     assert (c.norm_offset, c.sandwich_norm, c.embed_scale, c.mlp_act) == (
         True, True, True, "gelu_tanh")
-    assert c.tied_lm_head and c.norm_eps == 1e-6
+    assert c.tied_lm_head and c.norm_eps == 1e-6 and c.sliding_window == 4 and c.qk_norm
+    assert Config.from_hf(c.to_hf(), name=c.name) == c  # written back, read the same
 
 
 @torch.inference_mode()
