@@ -414,16 +414,17 @@ LAYER_TENSORS = {
     "q_proj": ("self_attn.q_proj.weight", "attn_q.weight"),
     "k_proj": ("self_attn.k_proj.weight", "attn_k.weight"),
     "v_proj": ("self_attn.v_proj.weight", "attn_v.weight"),
-    "q_bias": ("self_attn.q_proj.bias", "attn_q.bias"),  # qkv_bias (Qwen2)
-    "k_bias": ("self_attn.k_proj.bias", "attn_k.bias"),
-    "v_bias": ("self_attn.v_proj.bias", "attn_v.bias"),
-    "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),  # qk_norm (Qwen3)
-    "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
     "o_proj": ("self_attn.o_proj.weight", "attn_output.weight"),
     "mlp_norm": ("post_attention_layernorm.weight", "ffn_norm.weight"),
     "gate": ("mlp.gate_proj.weight", "ffn_gate.weight"),
     "up": ("mlp.up_proj.weight", "ffn_up.weight"),
     "down": ("mlp.down_proj.weight", "ffn_down.weight"),
+    # a family's extras, only in configs whose switch is on (`tensor_shapes`)
+    "q_bias": ("self_attn.q_proj.bias", "attn_q.bias"),  # qkv_bias (Qwen2)
+    "k_bias": ("self_attn.k_proj.bias", "attn_k.bias"),
+    "v_bias": ("self_attn.v_proj.bias", "attn_v.bias"),
+    "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),  # qk_norm (Qwen3)
+    "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
 }
 MODEL_TENSORS = {
     "embed": ("model.embed_tokens.weight", "token_embd.weight"),
