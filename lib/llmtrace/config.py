@@ -181,7 +181,8 @@ class Config:
         switches = {k: getattr(self, k) for k in ("qkv_bias", "qk_norm")}
         if switches != {**dict.fromkeys(switches, False), **implied}:
             raise LlmTraceError(f"config {self.name!r}: {switches} is not what HF's "
-                                f"{architecture} computes: set family to the model_type that has it")
+                                f"{architecture} computes: set family to the model_type "
+                                f"that has it")
         if self.sliding_window and self.family != "mistral":
             raise LlmTraceError(f"config {self.name!r}: sliding_window={self.sliding_window} "
                                 f"with family {self.family!r}: only Mistral's is written")
