@@ -79,8 +79,8 @@ class Positions:
                    cls(start, local_cos, local_sin, causal, window, local))
 
 
-def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0, window=None,
-           scale=0.0):
+def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0,
+           window=None, scale=0.0):
     """Scaled dot-product attention, step by step. q [..., T, d], k and v [..., S, d],
     mask [T, S]. Each query row scores every key, the mask removes the future, softmax
     turns scores into weights that sum to 1, and the output is the weighted sum of the
@@ -100,8 +100,9 @@ def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0, window=None
         kind = "causal_mask"
         if window is not None:  # and the keys a window or more behind the query
             kind = "window_mask"
-            mask = trace.record(f"{name}.window_mask", "causal_mask + -inf from the "
-                                "window's width back", mask + window)  # [T, S]
+            what = "causal_mask + -inf where key <= query - window"
+            mask = trace.record(f"{name}.window_mask", what,
+                                mask + window)  # [T, S]
         scores = trace.record(f"{name}.masked_scores", f"scores + {kind}",
                               scores + mask)  # [B, H, T, S]
     weights = trace.record(f"{name}.weights", "softmax over keys (rows sum to 1)",
@@ -123,10 +124,13 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
                      B * T * D * KV * hd)  # [B, T, KV*hd]
     v = trace.record(f"{name}.v_proj", "x @ W_v^T", F.linear(x, w.v_proj),
                      B * T * D * KV * hd)  # [B, T, KV*hd]
-    if config.qkv_bias:  # Qwen2: a bias after each projection, recorded on its own
-        q = trace.record(f"{name}.q_bias", "q_proj + b_q", q + w.q_bias)  # [B, T, H*hd]
-        k = trace.record(f"{name}.k_bias", "k_proj + b_k", k + w.k_bias)  # [B, T, KV*hd]
-        v = trace.record(f"{name}.v_bias", "v_proj + b_v", v + w.v_bias)  # [B, T, KV*hd]
+    if config.qkv_bias:  # Qwen2: each projection's bias, a record of its own
+        q = trace.record(f"{name}.q_bias", "q_proj + b_q",
+                         q + w.q_bias)  # [B, T, H*hd]
+        k = trace.record(f"{name}.k_bias", "k_proj + b_k",
+                         k + w.k_bias)  # [B, T, KV*hd]
+        v = trace.record(f"{name}.v_bias", "v_proj + b_v",
+                         v + w.v_bias)  # [B, T, KV*hd]
     q = trace.record(f"{name}.q", f"split into {H} heads",
                      q.view(B, T, H, hd))  # [B, T, H, hd]
     k = trace.record(f"{name}.k", f"split into {KV} heads",
@@ -134,7 +138,7 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
     v = trace.record(f"{name}.v", f"split into {KV} heads",
                      v.view(B, T, KV, hd))  # [B, T, KV, hd]
 
-    if config.qk_norm:  # Qwen3: each head of q and k to RMS 1, times a weight [hd]
+    if config.qk_norm:  # Qwen3: each head of q, k to RMS 1, times a weight [hd]
         q = rms_norm(q, w.q_norm, config.norm_eps, trace,
                      f"{name}.q_norm", config.norm_offset)  # [B, T, H, hd]
         k = rms_norm(k, w.k_norm, config.norm_eps, trace,

@@ -219,7 +219,8 @@ class Config:
         switches = {k: getattr(self, k) for k in ("qkv_bias", "qk_norm")}
         if switches != {**dict.fromkeys(switches, False), **implied}:
             raise LlmTraceError(f"config {self.name!r}: {switches} is not what HF's "
-                                f"{architecture} computes: set family to the model_type that has it")
+                                f"{architecture} computes: set family to the model_type "
+                                f"that has it")
         if self.sliding_window and self.family not in ("mistral", "gemma3_text"):
             raise LlmTraceError(f"config {self.name!r}: sliding_window={self.sliding_window} "
                                 f"with family {self.family!r}: only Mistral's is written")
@@ -528,16 +529,17 @@ LAYER_TENSORS = {
     "q_proj": ("self_attn.q_proj.weight", "attn_q.weight"),
     "k_proj": ("self_attn.k_proj.weight", "attn_k.weight"),
     "v_proj": ("self_attn.v_proj.weight", "attn_v.weight"),
-    "q_bias": ("self_attn.q_proj.bias", "attn_q.bias"),  # qkv_bias (Qwen2)
-    "k_bias": ("self_attn.k_proj.bias", "attn_k.bias"),
-    "v_bias": ("self_attn.v_proj.bias", "attn_v.bias"),
-    "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),  # qk_norm (Qwen3)
-    "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
     "o_proj": ("self_attn.o_proj.weight", "attn_output.weight"),
     "mlp_norm": ("post_attention_layernorm.weight", "ffn_norm.weight"),
     "gate": ("mlp.gate_proj.weight", "ffn_gate.weight"),
     "up": ("mlp.up_proj.weight", "ffn_up.weight"),
     "down": ("mlp.down_proj.weight", "ffn_down.weight"),
+    # a family's extras, only in configs whose switch is on (`tensor_shapes`)
+    "q_bias": ("self_attn.q_proj.bias", "attn_q.bias"),  # qkv_bias (Qwen2)
+    "k_bias": ("self_attn.k_proj.bias", "attn_k.bias"),
+    "v_bias": ("self_attn.v_proj.bias", "attn_v.bias"),
+    "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),  # qk_norm (Qwen3)
+    "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
     # Gemma 3's norms after each sublayer (`sandwich_norm`)
     "post_attn_norm": ("post_attention_layernorm.weight", "post_attention_norm.weight"),
     "post_mlp_norm": ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),

@@ -35,7 +35,8 @@ def logit_lens(model, trace, position: int = -1) -> torch.Tensor:
     check_position(position, trace.shape("tokens")[1])
     resid = torch.stack([trace[f"layers.{i}.resid_out"][0, position]
                          for i in range(c.n_layers)])  # [L, D]
-    x = rms_norm(resid, w.final_norm, c.norm_eps, offset=c.norm_offset)  # [L, D]
+    x = rms_norm(resid, w.final_norm, c.norm_eps,
+                 offset=c.norm_offset)  # [L, D]
     logits = F.linear(x, w.lm_head)  # [L, V]
     return logits.softmax(-1)
 

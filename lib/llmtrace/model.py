@@ -86,7 +86,7 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
 def block(x, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE,
           name="layers.0") -> torch.Tensor:
     """One block, pre-norm: h = x + attention(norm(x)), then h + mlp(norm(h)).
-    sandwich_norm (Gemma): each sublayer's output is normed too, before the add."""
+    sandwich_norm (Gemma): a norm after each sublayer too, before the add."""
     eps, off = config.norm_eps, config.norm_offset
     h = rms_norm(x, w.attn_norm, eps, trace, f"{name}.attn_norm",
                  off)  # [B, T, D]

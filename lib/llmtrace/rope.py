@@ -16,7 +16,7 @@ from .trace import NO_TRACE
 def rope_frequencies(head_dim: int, theta: float, device=None,
                      scaling: tuple = ()) -> torch.Tensor:
     """freq_i = theta^(-2i / head_dim) for each of the head_dim/2 pairs: 1.0 first,
-    slowest last. scaling: a config's `rope_scaling` (Llama 3's, see `llama3_scaled`)."""
+    slowest last; Llama 3 stretches them (`scaling`, see `llama3_scaled`)."""
     pairs = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device)  # [hd/2]
     exponents = pairs.float() / head_dim
     freqs = 1.0 / theta**exponents  # [head_dim/2]
@@ -40,7 +40,8 @@ def llama3_scaled(freqs: torch.Tensor, s: dict) -> torch.Tensor:
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
                  scaling: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = rope_frequencies(head_dim, theta, positions.device, scaling)  # [head_dim/2]
+    freqs = rope_frequencies(head_dim, theta, positions.device,
+                             scaling)  # [head_dim/2]
     angles = positions.float()[:, None] * freqs[None, :]  # [T, head_dim/2]
     # each pair (d, d + head_dim/2) shares an angle
     angles = torch.cat([angles, angles], dim=-1)  # [T, head_dim]
@@ -61,7 +62,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, trace=NO_T
     # [T, 1, head_dim] each: the same angle for every head
     cos, sin = cos[:, None, :], sin[:, None, :]
     out = x * cos + rotate_half(x) * sin  # [B, T, n_heads, head_dim]
-    return trace.record(name, f"rotate pairs (d, d+head_dim/2) by position * {freq}", out)
+    what = f"rotate pairs (d, d+head_dim/2) by position * {freq}"
+    return trace.record(name, what, out)
 
 
 def apply_rope_adjacent(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
