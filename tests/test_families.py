@@ -157,3 +157,20 @@ def test_a_directory_with_only_tokenizer_json_loads(tmp_path):
     assert ids == [3, 4, 5, 6, 7]
     assert model.tokenizer.decode(ids) == "The capital of France is"
     assert generate(model, "The capital of France is", 2, trace=False).positions_processed == 6
+
+
+def test_tokenizer_json_adds_bos_as_its_post_processor_says(tmp_path):
+    """Llama 3's tokenizer.json adds <|begin_of_text|> in its post-processor and its settings
+    do not say add_bos_token: HF adds it, so does llmtrace."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    d = make_tiny_checkpoint(tmp_path / "tiny-llama3", family="llama3")
+    (d / "tokenizer.model").unlink()
+    (d / "tokenizer_config.json").unlink()
+    words = "<unk> <s> </s> The capital".split()
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", 1)])
+    tok.save(str(d / "tokenizer.json"))
+    assert load_model(d).encode("The capital")[0].tolist() == [1, 3, 4]
