@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from llmtrace import Config, generate, load_model, meta_model
+from llmtrace import Config, LlmTraceError, generate, load_model, meta_model
 from llmtrace.attention import causal_mask, window_mask
 from llmtrace.model import Model, estimate_trace_bytes, trace_bytes
 from llmtrace.rope import rope_frequencies
@@ -123,6 +123,15 @@ def test_config_round_trip_through_hf(f):
     hf_class = getattr(transformers, FAMILIES[f][0])
     back = hf_class(**{k: v for k, v in c.to_hf().items() if k != "architectures"})
     assert Config.from_hf(back.to_dict(), name="x") == c
+
+
+def test_configs_hf_cannot_compute_are_refused():
+    with pytest.raises(LlmTraceError, match=r"rope_scaling=\{'rope_type': 'yarn'.* is not Llama"):
+        Config.from_name("llama-3.2-1b").replace(rope_scaling={"rope_type": "yarn"})
+    with pytest.raises(LlmTraceError, match="is not what HF's LlamaForCausalLM computes"):
+        Config.from_name("tinyllama").replace(qk_norm=True).to_hf()
+    with pytest.raises(LlmTraceError, match="sliding_window=8 with family 'qwen3'"):
+        Config.from_name("qwen3-0.6b").replace(sliding_window=8).to_hf()
 
 
 def make_config_json(f: str) -> dict:

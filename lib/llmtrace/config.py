@@ -63,6 +63,10 @@ class Config:
                 problems.append(f"{field}={value:g} must be {rule}")
         if isinstance(self.rope_scaling, dict):  # as HF writes it: keep it hashable, in order
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        scaling = dict(self.rope_scaling)
+        if scaling and (scaling.get("rope_type") != "llama3" or set(LLAMA3_KEYS) - set(scaling)):
+            problems.append(f"rope_scaling={scaling} is not Llama 3's (rope_type 'llama3' "
+                            f"and {', '.join(LLAMA3_KEYS)})")
         if problems:  # before anything below divides by a head count
             raise LlmTraceError(f"config {self.name!r}: " + "; ".join(problems))
         if self.head_dim == 0:
@@ -272,7 +276,7 @@ FAMILIES = {"llama": ("LlamaForCausalLM", {}),
             "qwen2": ("Qwen2ForCausalLM", {"qkv_bias": True}),
             "qwen3": ("Qwen3ForCausalLM", {"qk_norm": True})}
 COMPUTED = "llmtrace computes dense Llama-family models (Llama 2 and 3, Mistral, Qwen2, Qwen3)"
-# what each kind of model that llmtrace does not compute is called, and what it does instead
+# model_types refused by name, for what they compute instead of a dense Llama block
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "dbrx",
        "granitemoe", "phimoe", "jamba", "llama4", "gpt_oss")
 MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
