@@ -177,3 +177,12 @@ def test_what_is_not_computed_is_refused(change, says):
     hf = {**Config.from_name("gemma-3-270m").to_hf(), **change}
     with pytest.raises(LlmTraceError, match=says):
         Config.from_hf(hf)
+
+
+@pytest.mark.parametrize("preset, change, says", [
+    ("tinyllama", {"norm_offset": True}, "norm_offset set with family 'llama'"),
+    ("gemma-3-270m", {"embed_scale": False}, "Gemma3ForCausalLM always computes"),
+])
+def test_to_hf_writes_gemma_switches_only_as_gemma(preset, change, says):
+    with pytest.raises(LlmTraceError, match=says):
+        Config.from_name(preset).replace(**change).to_hf()
