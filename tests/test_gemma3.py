@@ -192,3 +192,18 @@ def test_what_is_not_computed_is_refused(change, says):
 def test_to_hf_writes_gemma_switches_only_as_gemma(preset, change, says):
     with pytest.raises(LlmTraceError, match=says):
         Config.from_name(preset).replace(**change).to_hf()
+
+
+@torch.inference_mode()
+def test_written_back_hf_reads_the_same_model(gemma, tmp_path):
+    """save_hf writes Gemma's names (pre_feedforward_layernorm...) and config.json: HF's class
+    loads them and computes the same logits."""
+    from llmtrace.model import state_dict_from_weights
+    from llmtrace.weights.hf import save_hf
+
+    model, hf = gemma
+    save_hf(tmp_path, model.config, state_dict_from_weights(model.config, model.weights))
+    again = Gemma3ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager",
+                                              dtype=torch.float32).eval()
+    ids = prompt_ids()
+    assert torch.equal(again(ids).logits, hf(ids).logits)
