@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import LlmTraceError
+from .norm import rms_norm
 from .rope import apply_rope, rope_cos_sin
 from .trace import NO_TRACE
 
@@ -34,6 +35,17 @@ def causal_mask(T: int, S: int, start: int, device=None) -> torch.Tensor:
     return torch.zeros(T, S, device=device).masked_fill(blocked, float("-inf"))
 
 
+def window_mask(T: int, S: int, start: int, window: int, device=None) -> torch.Tensor:
+    """[T, S] additive mask of a sliding window (Mistral): -inf where key j lies `window` or
+    more positions behind query p = start + i, 0 elsewhere. Added to the causal mask, a query
+    sees keys p - window < j <= p: itself and the window - 1 before it, as HF's
+    `sliding_window_overlay` (kv_idx > q_idx - sliding_window). Positions are absolute, so
+    the same rule holds for a decode step reading a cache longer than the window."""
+    p = torch.arange(start, start + T, device=device)[:, None]  # [T, 1]
+    j = torch.arange(S, device=device)[None, :]  # [1, S]
+    return torch.zeros(T, S, device=device).masked_fill(j <= p - window, float("-inf"))
+
+
 @dataclass
 class Positions:
     """What every layer of one pass shares: where its T tokens sit, and what follows."""
@@ -41,6 +53,9 @@ class Positions:
     cos: torch.Tensor  # [T, head_dim]: RoPE tables
     sin: torch.Tensor  # [T, head_dim]
     mask: torch.Tensor  # [T, start + T]: `causal_mask`
+    window: torch.Tensor | None = None  # [T, start + T]: `window_mask`, if the config slides
+    base: float = 0.0  # the RoPE base, said in the trace when layers differ in it (Gemma 3)
+    local: "Positions | None" = None  # Gemma 3's sliding layers: their window and RoPE base
 
     @classmethod
     def of(cls, start: int, T: int, config, device=None) -> "Positions":
@@ -49,25 +64,46 @@ class Positions:
                                 f"of {config.max_positions}: shorten the prompt or "
                                 f"generate fewer tokens")
         positions = torch.arange(start, start + T, device=device)  # [T]
-        cos, sin = rope_cos_sin(positions, config.head_dim,
-                                config.rope_theta)  # [T, hd] each
-        return cls(start, cos, sin, causal_mask(T, start + T, start, device))
+        cos, sin = rope_cos_sin(positions, config.head_dim, config.rope_theta,
+                                config.rope_scaling)  # [T, hd] each
+        S, W = start + T, config.sliding_window
+        causal = causal_mask(T, S, start, device)
+        window = window_mask(T, S, start, W, device) if W else None
+        if not config.layer_types:  # every layer alike (Mistral: all slide)
+            return cls(start, cos, sin, causal, window)
+        # Gemma 3: full layers see every earlier key; sliding layers see
+        # the window, and turn at a RoPE base of their own
+        local = config.rope_local_theta or config.rope_theta
+        local_cos, local_sin = rope_cos_sin(positions, config.head_dim, local)
+        return cls(start, cos, sin, causal, None, config.rope_theta,
+                   cls(start, local_cos, local_sin, causal, window, local))
 
 
-def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0):
+def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0,
+           window=None, scale=0.0):
     """Scaled dot-product attention, step by step. q [..., T, d], k and v [..., S, d],
     mask [T, S]. Each query row scores every key, the mask removes the future, softmax
     turns scores into weights that sum to 1, and the output is the weighted sum of the
-    values."""
+    values. window [T, S]: a sliding window's mask, added to the causal one.
+    scale: the scores' factor, if not 1/sqrt(d) (Gemma)."""
     T, S, d = q.shape[-2], k.shape[-2], q.shape[-1]
     lead = math.prod(q.shape[:-2])  # batch x heads
-    scores = q @ k.transpose(-2, -1) / math.sqrt(d)  # [B, H, T, S]
-    scores = trace.record(f"{name}.scores", f"q @ k^T / sqrt({d})", scores,
-                          lead * T * S * d)
+    scores = q @ k.transpose(-2, -1)  # [B, H, T, S]
+    if scale:  # Gemma: query_pre_attn_scalar^-0.5
+        scores, what = scores * scale, f"q @ k^T * {scale:.6g}"
+    else:
+        scores, what = scores / math.sqrt(d), f"q @ k^T / sqrt({d})"
+    scores = trace.record(f"{name}.scores", what, scores, lead * T * S * d)
     if mask is not None:
         what = f"0 where key <= query position, -inf after ({start} cached)"
         mask = trace.record(f"{name}.causal_mask", what, mask)  # [T, S]
-        scores = trace.record(f"{name}.masked_scores", "scores + causal_mask",
+        kind = "causal_mask"
+        if window is not None:  # and the keys a window or more behind the query
+            kind = "window_mask"
+            what = "causal_mask + -inf where key <= query - window"
+            mask = trace.record(f"{name}.window_mask", what,
+                                mask + window)  # [T, S]
+        scores = trace.record(f"{name}.masked_scores", f"scores + {kind}",
                               scores + mask)  # [B, H, T, S]
     weights = trace.record(f"{name}.weights", "softmax over keys (rows sum to 1)",
                            F.softmax(scores, dim=-1))  # [B, H, T, S]
@@ -88,6 +124,13 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
                      B * T * D * KV * hd)  # [B, T, KV*hd]
     v = trace.record(f"{name}.v_proj", "x @ W_v^T", F.linear(x, w.v_proj),
                      B * T * D * KV * hd)  # [B, T, KV*hd]
+    if config.qkv_bias:  # Qwen2: each projection's bias, a record of its own
+        q = trace.record(f"{name}.q_bias", "q_proj + b_q",
+                         q + w.q_bias)  # [B, T, H*hd]
+        k = trace.record(f"{name}.k_bias", "k_proj + b_k",
+                         k + w.k_bias)  # [B, T, KV*hd]
+        v = trace.record(f"{name}.v_bias", "v_proj + b_v",
+                         v + w.v_bias)  # [B, T, KV*hd]
     q = trace.record(f"{name}.q", f"split into {H} heads",
                      q.view(B, T, H, hd))  # [B, T, H, hd]
     k = trace.record(f"{name}.k", f"split into {KV} heads",
@@ -95,11 +138,20 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
     v = trace.record(f"{name}.v", f"split into {KV} heads",
                      v.view(B, T, KV, hd))  # [B, T, KV, hd]
 
+    if config.qk_norm:  # Qwen3: each head of q, k to RMS 1, times a weight [hd]
+        q = rms_norm(q, w.q_norm, config.norm_eps, trace,
+                     f"{name}.q_norm", config.norm_offset)  # [B, T, H, hd]
+        k = rms_norm(k, w.k_norm, config.norm_eps, trace,
+                     f"{name}.k_norm", config.norm_offset)  # [B, T, KV, hd]
+
     # Position enters here, and only into Q and K: V carries content.
+    freq = "llama3-scaled freq" if config.rope_scaling else "freq"
+    if pos.base:  # Gemma 3: local and global layers turn at different bases
+        freq += f" (base {pos.base:g})"
     q = apply_rope(q, pos.cos, pos.sin, trace,
-                   f"{name}.rope_q")  # [B, T, H, hd]
+                   f"{name}.rope_q", freq)  # [B, T, H, hd]
     k = apply_rope(k, pos.cos, pos.sin, trace,
-                   f"{name}.rope_k")  # [B, T, KV, hd]
+                   f"{name}.rope_k", freq)  # [B, T, KV, hd]
 
     # Write this step's K and V into the cache, read back every position so far.
     start = pos.start
@@ -122,8 +174,8 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
     v_exp = repeat_kv(v_all.transpose(1, 2), config.n_rep)  # [B, H, S, hd]
     v_exp = trace.record(f"{name}.v_expanded", f"GQA: {KV} -> {H} heads", v_exp)
 
-    out = attend(q, k_exp, v_exp, pos.mask, trace, name,
-                 start)  # [B, H, T, hd]
+    out = attend(q, k_exp, v_exp, pos.mask, trace, name, start, pos.window,
+                 config.attn_scale)  # [B, H, T, hd]
 
     out = out.transpose(1, 2).reshape(B, T, H * hd)  # [B, T, H*hd]
     out = trace.record(f"{name}.merged", "heads back side by side", out)

@@ -17,7 +17,8 @@ from .errors import LlmTraceError
 
 # the integer fields and their least value (head_dim 0 means hidden_size // n_heads)
 INT_FIELDS = {"vocab_size": 1, "hidden_size": 1, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1,
-              "ffn_size": 1, "max_positions": 1, "head_dim": 0, "bos_id": 0, "eos_id": 0}
+              "ffn_size": 1, "max_positions": 1, "head_dim": 0, "bos_id": 0, "eos_id": 0,
+              "sliding_window": 0}
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,22 @@ class Config:
     bos_id: int = 1
     eos_id: int = 2
     head_dim: int = 0  # 0 means hidden_size // n_heads
+    # What today's families change (each default is Llama 2's, so a Llama config is untouched):
+    family: str = "llama"  # the HF model_type: llama, mistral, qwen2, qwen3, gemma3_text
+    qkv_bias: bool = False  # Qwen2: a bias vector added to Q, K and V
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of Q and K, before RoPE
+    sliding_window: int = 0  # Mistral: a query sees only its last W keys (0: all earlier ones)
+    # Llama 3.x: HF's rope_scaling as sorted (key, value) pairs, e.g. (("factor", 32.0), ...,
+    # ("rope_type", "llama3")); () is plain RoPE
+    rope_scaling: tuple = ()
+    # Gemma 3's differences from Llama 2; each default is Llama 2's
+    norm_offset: bool = False  # RMSNorm multiplies by (1 + weight): weights are stored around 0
+    sandwich_norm: bool = False  # a norm after each sublayer too, before its residual add
+    mlp_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: bool = False  # embedding rows times sqrt(hidden_size)
+    attn_scale: float = 0.0  # scores = q @ k^T * attn_scale; 0 means 1 / sqrt(head_dim)
+    layer_types: tuple = ()  # per layer "full" or "sliding"; () = every layer alike
+    rope_local_theta: float = 0.0  # RoPE base of the sliding layers; 0 means rope_theta
 
     def __post_init__(self):
         problems = []
@@ -52,6 +69,26 @@ class Config:
                 problems.append(f"{field}={value!r} must be a finite number")
             elif value < 0 or (value == 0 and rule == "positive"):
                 problems.append(f"{field}={value:g} must be {rule}")
+        for field in ("attn_scale", "rope_local_theta"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0:
+                problems.append(f"{field}={value!r} must be a finite number >= 0")
+        if self.mlp_act not in MLP_ACTS:
+            problems.append(f"mlp_act={self.mlp_act!r} must be one of {', '.join(MLP_ACTS)}")
+        types = self.layer_types
+        if not isinstance(types, tuple) or any(t not in ("full", "sliding") for t in types):
+            problems.append(f"layer_types={types!r} must be a tuple of 'full' or 'sliding'")
+        elif types and len(types) != self.n_layers:
+            problems.append(f"layer_types names {len(types)} layers, n_layers={self.n_layers}")
+        elif "sliding" in types and not self.sliding_window:
+            problems.append("layer_types has sliding layers but sliding_window=0: give its width")
+        if isinstance(self.rope_scaling, dict):  # as HF writes it: keep it hashable, in order
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        scaling = dict(self.rope_scaling)
+        if scaling and (scaling.get("rope_type") != "llama3" or set(LLAMA3_KEYS) - set(scaling)):
+            problems.append(f"rope_scaling={scaling} is not Llama 3's (rope_type 'llama3' "
+                            f"and {', '.join(LLAMA3_KEYS)})")
         if problems:  # before anything below divides by a head count
             raise LlmTraceError(f"config {self.name!r}: " + "; ".join(problems))
         if self.head_dim == 0:
@@ -80,6 +117,13 @@ class Config:
     def kv_size(self) -> int:
         """Width of K and V before the head reshape: n_kv_heads * head_dim (256 for TinyLlama)."""
         return self.n_kv_heads * self.head_dim
+
+    def is_sliding(self, layer: int) -> bool:
+        """Does this layer attend through a sliding window? Gemma 3 names each layer's kind;
+        without `layer_types`, a window (Mistral) applies to every layer."""
+        if self.layer_types:
+            return self.layer_types[layer] == "sliding"
+        return self.sliding_window > 0
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
@@ -115,9 +159,16 @@ class Config:
         if not isinstance(c, dict):
             raise LlmTraceError(f"{where} holds a {type(c).__name__}, not an object of settings: "
                                 f"it is not a Hugging Face config.json")
-        if c.get("model_type", "llama") not in ("llama", "mistral"):
-            raise LlmTraceError(f"model_type {c.get('model_type')!r} is not a Llama-family model")
-        refuse_unsupported(c, where)
+        refuse_unsupported(c, where)  # first: it names what a refused model_type lacks
+        family = c.get("model_type", "llama")
+        if family == "gemma3":
+            raise LlmTraceError(f"{where}: model_type 'gemma3' (Gemma 3 with its vision tower) is "
+                                f"not implemented: use a text-only Gemma 3 (gemma3_text, "
+                                f"e.g. gemma-3-270m or gemma-3-1b)")
+        if family not in FAMILIES:
+            raise LlmTraceError(f"model_type {family!r} is not a Llama-family model: {COMPUTED}")
+        if family == "gemma3_text":  # what the file leaves out, Gemma3TextConfig's defaults give
+            c = {**GEMMA3_DEFAULTS, **c}
 
         def get(key, kind, default=None):
             value = c.get(key, default)
@@ -137,7 +188,7 @@ class Config:
         eos = c.get("eos_token_id", 2)
         if isinstance(eos, list):
             eos = eos[0] if eos else 2
-        return cls(
+        fields = dict(
             name=name or c.get("_name_or_path") or "hf-model",
             vocab_size=get("vocab_size", int),
             hidden_size=get("hidden_size", int),
@@ -152,13 +203,41 @@ class Config:
             bos_id=get("bos_token_id", int, 1),
             eos_id=2 if eos is None else eos,
             head_dim=get("head_dim", int, 0),
+            family=family,
+            # Mistral's window; Qwen's (use_sliding_window) is refused, Llama's HF ignores
+            sliding_window=get("sliding_window", int, 0) if family == "mistral" else 0,
+            rope_scaling=rope_scaling_of(c, where),
+            **FAMILIES[family][1],  # what the family always has: Qwen2's bias, Qwen3's norm
         )
+        if family == "gemma3_text":
+            fields.update(gemma3_switches(c, where, get))
+        return cls(**fields)
 
     def to_hf(self) -> dict:
-        """The `config.json` a Hugging Face `LlamaForCausalLM` needs for these shapes."""
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+        """The `config.json` HF's model class of this family (`LlamaForCausalLM`...) needs for
+        these shapes."""
+        if self.family not in FAMILIES:
+            raise LlmTraceError(f"config {self.name!r}: family {self.family!r} has no Hugging "
+                                f"Face class here: use one of {', '.join(FAMILIES)}")
+        architecture, implied = FAMILIES[self.family]
+        switches = {k: getattr(self, k) for k in ("qkv_bias", "qk_norm")}
+        if switches != {**dict.fromkeys(switches, False), **implied}:
+            raise LlmTraceError(f"config {self.name!r}: {switches} is not what HF's "
+                                f"{architecture} computes: set family to the model_type "
+                                f"that has it")
+        check_gemma3_switches(self)
+        if self.sliding_window and self.family not in ("mistral", "gemma3_text"):
+            raise LlmTraceError(f"config {self.name!r}: sliding_window={self.sliding_window} "
+                                f"with family {self.family!r}: only Mistral's is written")
+        extra = {}
+        if self.rope_scaling:
+            extra["rope_scaling"] = dict(self.rope_scaling)
+        if self.family == "mistral":
+            extra["sliding_window"] = self.sliding_window or None
+        hf = {
+            "architectures": [architecture],
+            "model_type": self.family,
+            **extra,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.n_layers,
@@ -177,6 +256,9 @@ class Config:
             "mlp_bias": False,
             "torch_dtype": "float32",
         }
+        if self.family == "gemma3_text":
+            hf = gemma3_to_hf(self, hf)
+        return hf
 
     @classmethod
     def from_gguf(cls, fields: dict, name: str = "gguf-model") -> Config:
@@ -199,10 +281,10 @@ class Config:
         scaling = fields.get("llama.rope.scaling.type")
         if scaling not in (None, "none"):
             raise LlmTraceError(f"GGUF rope scaling {scaling!r} (RoPE stretched for long contexts) "
-                                f"is not implemented: {LLAMA2}")
+                                f"is not read from GGUF: load the Hugging Face checkpoint")
         if fields.get("llama.expert_count"):
             raise LlmTraceError(f"GGUF llama.expert_count={fields['llama.expert_count']} "
-                                f"(a mixture of experts) is not implemented: {LLAMA2}")
+                                f"(a mixture of experts) is not implemented: {COMPUTED}")
         tokens = fields.get("tokenizer.ggml.tokens")
         vocab = fields.get("llama.vocab_size") or (len(tokens) if isinstance(tokens, list) else 0)
         if not vocab:
@@ -230,7 +312,21 @@ class Config:
 
 
 KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false"}
-LLAMA2 = "llmtrace computes the Llama-2 architecture (plain RoPE, SiLU, no biases, full attention)"
+# model_type -> (HF model class, the switches the family always has)
+FAMILIES = {"llama": ("LlamaForCausalLM", {}),
+            "mistral": ("MistralForCausalLM", {}),
+            "qwen2": ("Qwen2ForCausalLM", {"qkv_bias": True}),
+            "qwen3": ("Qwen3ForCausalLM", {"qk_norm": True}),
+            "gemma3_text": ("Gemma3ForCausalLM", {"qk_norm": True})}
+COMPUTED = ("llmtrace computes dense Llama-family models "
+            "(Llama 2 and 3, Mistral, Qwen2, Qwen3, Gemma 3)")
+# model_types refused by name, for what they compute instead of a dense Llama block
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "dbrx",
+       "granitemoe", "phimoe", "jamba", "llama4", "gpt_oss")
+MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+SOFTCAP = ("gemma2",)
+LLAMA3_KEYS = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
+MLP_ACTS = ("silu", "gelu_tanh")
 
 
 def read_json(path: Path, what: str):
@@ -244,29 +340,157 @@ def read_json(path: Path, what: str):
         raise LlmTraceError(f"cannot read {path} ({e.strerror or e})") from None
 
 
+def rope_kind(c: dict):
+    """(type, parameters) of a config's RoPE: HF's older `rope_scaling` or 5.x's
+    `rope_parameters`; ("default", {}) for plain RoPE."""
+    for key in ("rope_scaling", "rope_parameters"):
+        params = c.get(key)
+        if isinstance(params, dict):
+            kind = params.get("rope_type") or params.get("type") or "default"
+            if kind != "default":
+                return kind, params
+        elif params is not None:
+            return params, {}
+    return "default", {}
+
+
+def rope_scaling_of(c: dict, where: str) -> tuple:
+    """Llama 3's rope_scaling as sorted (key, value) pairs, checked; () for plain RoPE."""
+    kind, params = rope_kind(c)
+    if kind == "default":
+        return ()
+    values = {k: params.get(k) for k in LLAMA3_KEYS}
+    bad = [k for k, v in values.items()
+           if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0]
+    if bad or values["high_freq_factor"] <= values["low_freq_factor"]:
+        raise LlmTraceError(f"{where}: rope_scaling of type 'llama3' needs positive "
+                            f"{', '.join(LLAMA3_KEYS)} (high above low), got "
+                            f"{ {k: values[k] for k in bad} or values }")
+    return tuple(sorted({**values, "rope_type": "llama3"}.items()))
+
+
+# Gemma3TextConfig's defaults (transformers 5.x) for the settings a config.json may leave out
+GEMMA3_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "bos_token_id": 2,
+                   "eos_token_id": 1, "head_dim": 256, "max_position_embeddings": 131072,
+                   "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                   "hidden_activation": "gelu_pytorch_tanh"}
+HF_LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
+# what Gemma3ForCausalLM always computes; the other Gemma switches vary by model
+GEMMA3_FIXED = dict(norm_offset=True, sandwich_norm=True, mlp_act="gelu_tanh", embed_scale=True)
+GEMMA3_SWITCHES = (*GEMMA3_FIXED, "attn_scale", "layer_types", "rope_local_theta")
+
+
+def gemma3_switches(c: dict, where: str, get) -> dict:
+    """Gemma 3's switches from its config.json, read as transformers' Gemma3TextConfig reads them:
+    the kind of each layer (`layer_types`, or in older files every `sliding_window_pattern`-th
+    layer full), and a RoPE base per kind (`rope_parameters` keyed by layer kind in
+    transformers 5.x; `rope_theta` and `rope_local_base_freq` in older files)."""
+    if c.get("use_bidirectional_attention"):
+        raise LlmTraceError(f"{where}: use_bidirectional_attention=true (tokens see later ones) "
+                            f"is not implemented: llmtrace computes causal decoders")
+    if c["hidden_activation"] != "gelu_pytorch_tanh":
+        raise LlmTraceError(f"{where}: hidden_activation {c['hidden_activation']!r} is not "
+                            f"implemented: Gemma 3's MLP is GeGLU with gelu_pytorch_tanh")
+    n, kinds = get("num_hidden_layers", int), c.get("layer_types")
+    if kinds is None:
+        period = get("sliding_window_pattern", int, 6)
+        kinds = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                 for i in range(n)]
+    if not isinstance(kinds, list) or any(k not in HF_LAYER_KINDS for k in kinds):
+        raise LlmTraceError(f"{where}: layer_types must list 'full_attention' or "
+                            f"'sliding_attention' per layer, got {kinds!r:.80}")
+    rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
+    full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    for kind, params in (("full_attention", full), ("sliding_attention", local)):
+        if params.get("rope_type", "default") != "default":
+            raise LlmTraceError(f"{where}: rope_parameters of {kind} have rope_type "
+                                f"{params['rope_type']!r}, not implemented for Gemma 3: "
+                                f"only plain RoPE (as gemma-3-270m and gemma-3-1b use)")
+    if c.get("rope_scaling"):  # older files: it scales the full-attention layers' RoPE
+        raise LlmTraceError(f"{where}: rope_scaling {c['rope_scaling']!r:.60} is not "
+                            f"implemented for Gemma 3: only plain RoPE")
+    theta = full.get("rope_theta") or get("rope_theta", float, 1_000_000.0)
+    local_theta = local.get("rope_theta") or get("rope_local_base_freq", float, 10_000.0)
+    return dict(**GEMMA3_FIXED, sliding_window=get("sliding_window", int),
+                attn_scale=float(get("query_pre_attn_scalar", float)) ** -0.5,
+                layer_types=tuple(HF_LAYER_KINDS[k] for k in kinds),
+                rope_theta=float(theta), rope_local_theta=float(local_theta))
+
+
+def check_gemma3_switches(c: Config) -> None:
+    """Gemma 3's switches are written only as Gemma 3, and Gemma 3 only with all it computes."""
+    if c.family != "gemma3_text":
+        on = [k for k in GEMMA3_SWITCHES if getattr(c, k) != Config.__dataclass_fields__[k].default]
+        if on:
+            raise LlmTraceError(f"config {c.name!r}: {', '.join(on)} set with family "
+                                f"{c.family!r}: only Gemma 3's HF class computes them, "
+                                f"set family to gemma3_text")
+    elif {k: getattr(c, k) for k in GEMMA3_FIXED} != GEMMA3_FIXED:
+        raise LlmTraceError(f"config {c.name!r}: HF's Gemma3ForCausalLM always computes "
+                            f"{GEMMA3_FIXED}: set those switches so, or another family")
+
+
+def gemma3_to_hf(c: Config, hf: dict) -> dict:
+    """A Llama config.json made into Gemma3TextConfig's."""
+    for key in ("hidden_act", "mlp_bias", "rope_theta"):
+        hf.pop(key)
+    kinds = {v: k for k, v in HF_LAYER_KINDS.items()}
+    return {**hf, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": round(c.attn_scale ** -2) if c.attn_scale else c.head_dim,
+            "layer_types": [kinds[t] for t in c.layer_types or ("full",) * c.n_layers],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": c.rope_theta},
+                "sliding_attention": {"rope_type": "default",
+                                      "rope_theta": c.rope_local_theta or c.rope_theta}},
+            "sliding_window": c.sliding_window or None,
+            "final_logit_softcapping": None, "attn_logit_softcapping": None,
+            "use_bidirectional_attention": False}
+
+
 def refuse_unsupported(c: dict, where: str) -> None:
     """Settings that change what the model computes, which this forward pass does not implement:
     running such a checkpoint would print wrong logits as if they were right."""
-    rope = c.get("rope_scaling") or {}
-    params = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
-    kind = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else rope
-    kind = kind or params.get("rope_type", "default")
-    if kind not in ("default", None):
+    family = c.get("model_type", "llama")
+    experts = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if isinstance(c.get(k), int) and c[k] > 0), None)
+    if experts or family in MOE:
+        what = f"{experts}={c[experts]}" if experts else f"model_type {family!r}"
+        raise LlmTraceError(f"{where}: a mixture of experts ({what}: each token goes through a "
+                            f"few of many MLPs) is not implemented: {COMPUTED}")
+    latent = next((k for k in ("kv_lora_rank", "q_lora_rank") if c.get(k)), None)
+    if latent or family in MLA:
+        what = f"{latent}={c[latent]}" if latent else f"model_type {family!r}"
+        raise LlmTraceError(f"{where}: multi-head latent attention ({what}: K and V rebuilt "
+                            f"from a small latent) is not implemented: {COMPUTED}")
+    capped = next((k for k in ("attn_logit_softcapping", "final_logit_softcapping")
+                   if c.get(k)), None)
+    if capped or family in SOFTCAP:
+        what = f"{capped}={c[capped]}" if capped else f"model_type {family!r}"
+        raise LlmTraceError(f"{where}: attention logit soft-capping ({what}: scores squashed "
+                            f"by tanh) is not implemented: {COMPUTED}")
+    kind, _ = rope_kind(c)
+    if kind not in ("default", "llama3"):
         raise LlmTraceError(f"{where}: rope_scaling of type {kind!r} (RoPE stretched for long "
-                            f"contexts, as in Llama 3.x) is not implemented: {LLAMA2}")
+                            f"contexts) is not implemented, only Llama 3's 'llama3': {COMPUTED}")
     act = c.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise LlmTraceError(f"{where}: hidden_act {act!r} is not implemented (the MLP is SwiGLU, "
-                            f"with SiLU): {LLAMA2}")
-    for key in ("attention_bias", "mlp_bias"):
+                            f"with SiLU): {COMPUTED}")
+    # Qwen2's bias on Q, K and V is computed (its class ignores the key); in Llama and Qwen3,
+    # attention_bias=true adds one to the output projection too. Mistral's class ignores both.
+    biased = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}
+    for key in biased.get(family, ()):
         if c.get(key):
             raise LlmTraceError(f"{where}: {key}=true (projections with a bias vector) is not "
-                                f"implemented: {LLAMA2}")
-    window, positions = c.get("sliding_window"), c.get("max_position_embeddings", 2048)
-    full = isinstance(window, int) and isinstance(positions, int) and window >= positions
-    if window and not full:  # a window as long as the context never slides
-        raise LlmTraceError(f"{where}: sliding_window={window} (attention to the last {window} "
-                            f"positions only) is not implemented: {LLAMA2}")
+                                f"implemented, only Qwen2's bias on Q, K and V: {COMPUTED}")
+    layers = c.get("layer_types") if isinstance(c.get("layer_types"), list) else []
+    if family in ("qwen2", "qwen3") and (
+            "sliding_attention" in layers or c.get("use_sliding_window") and
+            c.get("max_window_layers", 28) < c.get("num_hidden_layers", 0)):
+        raise LlmTraceError(f"{where}: use_sliding_window=true (a window on the layers from "
+                            f"max_window_layers on, full attention below) is not implemented: "
+                            f"{COMPUTED}")
 
 
 # Presets by name, as keyword configs (as gpt-fast writes them); `Config.from_name` reads them.
@@ -283,9 +507,42 @@ PRESETS: dict[str, dict] = {
     # a 70B-class config: Llama-2-70B (GQA 64 / 8)
     "llama-2-70b": dict(vocab_size=32000, hidden_size=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                         ffn_size=28672, max_positions=4096),
+    # Today's families, shapes only, from each model's published config.json on the Hugging Face
+    # hub (the values transformers' docs quote). meta-llama/Llama-3.2-1B: tied head, llama3 RoPE
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, n_layers=16, n_heads=32,
+                         n_kv_heads=8, ffn_size=8192, max_positions=131072,
+                         rope_theta=500000.0, tied_lm_head=True, bos_id=128000, eos_id=128001,
+                         rope_scaling=dict(factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0,
+                                           original_max_position_embeddings=8192,
+                                           rope_type="llama3")),
+    # meta-llama/Llama-3.1-8B
+    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32,
+                         n_kv_heads=8, ffn_size=14336, max_positions=131072,
+                         rope_theta=500000.0, bos_id=128000, eos_id=128001,
+                         rope_scaling=dict(factor=8.0, high_freq_factor=4.0, low_freq_factor=1.0,
+                                           original_max_position_embeddings=8192,
+                                           rope_type="llama3")),
+    # Qwen/Qwen3-0.6B: QK-norm, head_dim 128 though hidden / heads is 64, tied head
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, n_layers=28, n_heads=16, n_kv_heads=8,
+                       ffn_size=3072, max_positions=40960, rope_theta=1000000.0, norm_eps=1e-6,
+                       tied_lm_head=True, bos_id=151643, eos_id=151645, head_dim=128,
+                       family="qwen3", qk_norm=True),
+    # mistralai/Mistral-7B-v0.1: a window of 4096 positions in a context of 32768
+    "mistral-7b-v0.1": dict(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32,
+                            n_kv_heads=8, ffn_size=14336, max_positions=32768,
+                            family="mistral", sliding_window=4096),
+    # google/gemma-3-270m config.json (every 6th layer global; a 512-token window elsewhere)
+    "gemma-3-270m": dict(vocab_size=262144, hidden_size=640, n_layers=18, n_heads=4,
+                         n_kv_heads=1, ffn_size=2048, max_positions=32768,
+                         rope_theta=1_000_000.0, norm_eps=1e-6, tied_lm_head=True, bos_id=2,
+                         eos_id=1, head_dim=256, norm_offset=True, sandwich_norm=True,
+                         mlp_act="gelu_tanh", embed_scale=True, attn_scale=256**-0.5,
+                         layer_types=(("sliding",) * 5 + ("full",)) * 3,
+                         rope_local_theta=10_000.0, sliding_window=512, qk_norm=True,
+                         family="gemma3_text"),
 }
 ALIASES = {"tinyllama": "tinyllama-1.1b", "smollm2": "smollm2-135m", "embedded": "smollm2-135m",
-           "7b": "llama-2-7b", "70b": "llama-2-70b"}
+           "7b": "llama-2-7b", "70b": "llama-2-70b", "mistral-7b": "mistral-7b-v0.1"}
 
 # The one table of the weights' names. A layer's tensors: `LayerWeights` field -> (its Hugging Face
 # name after "model.layers.N.", its GGUF name after "blk.N."); then the tensors outside the layers:
@@ -300,7 +557,19 @@ LAYER_TENSORS = {
     "gate": ("mlp.gate_proj.weight", "ffn_gate.weight"),
     "up": ("mlp.up_proj.weight", "ffn_up.weight"),
     "down": ("mlp.down_proj.weight", "ffn_down.weight"),
+    # a family's extras, only in configs whose switch is on (`tensor_shapes`)
+    "q_bias": ("self_attn.q_proj.bias", "attn_q.bias"),  # qkv_bias (Qwen2)
+    "k_bias": ("self_attn.k_proj.bias", "attn_k.bias"),
+    "v_bias": ("self_attn.v_proj.bias", "attn_v.bias"),
+    "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),  # qk_norm (Qwen3)
+    "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+    # Gemma 3's norms after each sublayer (`sandwich_norm`)
+    "post_attn_norm": ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+    "post_mlp_norm": ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
 }
+# With a norm after each sublayer, HF's "post_attention_layernorm" is that norm after attention,
+# and the norm before the MLP has a name of its own
+SANDWICH_HF_NAMES = {"mlp_norm": "pre_feedforward_layernorm.weight"}
 MODEL_TENSORS = {
     "embed": ("model.embed_tokens.weight", "token_embd.weight"),
     "final_norm": ("model.norm.weight", "output_norm.weight"),
@@ -308,23 +577,36 @@ MODEL_TENSORS = {
 }
 
 
-def hf_name(field: str, layer: int | None = None) -> str:
+def hf_name(field: str, layer: int | None = None, c: Config | None = None) -> str:
     """A weight's Hugging Face name: hf_name("q_proj", 3) is
-    model.layers.3.self_attn.q_proj.weight."""
+    model.layers.3.self_attn.q_proj.weight. Give the config for a name that depends on it."""
     if layer is None:
         return MODEL_TENSORS[field][0]
-    return f"model.layers.{layer}.{LAYER_TENSORS[field][0]}"
+    name = LAYER_TENSORS[field][0]
+    if c is not None and c.sandwich_norm:
+        name = SANDWICH_HF_NAMES.get(field, name)
+    return f"model.layers.{layer}.{name}"
 
 
 def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
-    """The shape the config implies for each field of `Weights` and `LayerWeights`; a tied LM
-    head has no tensor of its own."""
+    """The shape the config implies for each field of `Weights` and `LayerWeights` this config
+    has, in model order: a tied LM head has no tensor of its own, a family's extras appear only
+    when its switch is on."""
     D, hd, V, F = c.hidden_size, c.head_dim, c.vocab_size, c.ffn_size
     shapes = {"embed": (V, D),
               "attn_norm": (D,), "q_proj": (c.n_heads * hd, D), "k_proj": (c.kv_size, D),
-              "v_proj": (c.kv_size, D), "o_proj": (D, c.n_heads * hd),
-              "mlp_norm": (D,), "gate": (F, D), "up": (F, D), "down": (D, F),
-              "final_norm": (D,)}
+              "v_proj": (c.kv_size, D)}
+    if c.qkv_bias:
+        shapes.update(q_bias=(c.n_heads * hd,), k_bias=(c.kv_size,), v_bias=(c.kv_size,))
+    if c.qk_norm:  # one weight per head dimension, shared by every head
+        shapes.update(q_norm=(hd,), k_norm=(hd,))
+    shapes["o_proj"] = (D, c.n_heads * hd)
+    if c.sandwich_norm:  # Gemma: a norm after attention
+        shapes["post_attn_norm"] = (D,)
+    shapes.update({"mlp_norm": (D,), "gate": (F, D), "up": (F, D), "down": (D, F)})
+    if c.sandwich_norm:  # and after the MLP
+        shapes["post_mlp_norm"] = (D,)
+    shapes["final_norm"] = (D,)
     if not c.tied_lm_head:
         shapes["lm_head"] = (V, D)
     return shapes
@@ -335,5 +617,5 @@ def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
     shapes = tensor_shapes(c)
     out = {hf_name(f): shapes[f] for f in MODEL_TENSORS if f in shapes}
     for i in range(c.n_layers):
-        out.update({hf_name(f, i): shapes[f] for f in LAYER_TENSORS})
+        out.update({hf_name(f, i, c): shapes[f] for f in LAYER_TENSORS if f in shapes})
     return out

@@ -6,22 +6,42 @@ W_q and W_k are permuted (`adjacent_to_half_split`), which is what HF's converte
 llama.cpp's converter undoes, so a GGUF file stores its Q and K rows in the adjacent layout.
 """
 
+import math
+
 import torch
 
 from .trace import NO_TRACE
 
 
-def rope_frequencies(head_dim: int, theta: float, device=None) -> torch.Tensor:
+def rope_frequencies(head_dim: int, theta: float, device=None,
+                     scaling: tuple = ()) -> torch.Tensor:
     """freq_i = theta^(-2i / head_dim) for each of the head_dim/2 pairs: 1.0 first,
-    slowest last."""
+    slowest last; Llama 3 stretches them (`scaling`, see `llama3_scaled`)."""
     pairs = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device)  # [hd/2]
     exponents = pairs.float() / head_dim
-    return 1.0 / theta**exponents  # [head_dim/2]
+    freqs = 1.0 / theta**exponents  # [head_dim/2]
+    return llama3_scaled(freqs, dict(scaling)) if scaling else freqs
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int,
-                 theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = rope_frequencies(head_dim, theta, positions.device)  # [head_dim/2]
+def llama3_scaled(freqs: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1's stretch for long contexts: pairs that turn slower than once per
+    original_max / low_freq_factor positions turn `factor` times slower still; pairs that
+    turn faster than once per original_max / high_freq_factor are left alone; in between,
+    a blend of the two. The same float32 steps as HF's `_compute_llama3_parameters`."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / freqs  # [hd/2]: positions per full turn
+    scaled = torch.where(wavelen > old / low, freqs / factor, freqs)
+    smooth = (old / wavelen - low) / (high - low)  # 0 at old/low, 1 at old/high
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    middle = ~(wavelen < old / high) * ~(wavelen > old / low)
+    return torch.where(middle, blended, scaled)  # [hd/2]
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 scaling: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = rope_frequencies(head_dim, theta, positions.device,
+                             scaling)  # [head_dim/2]
     angles = positions.float()[:, None] * freqs[None, :]  # [T, head_dim/2]
     # each pair (d, d + head_dim/2) shares an angle
     angles = torch.cat([angles, angles], dim=-1)  # [T, head_dim]
@@ -35,14 +55,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, trace=NO_TRACE,
-               name: str = "rope") -> torch.Tensor:
+               name: str = "rope", freq: str = "freq") -> torch.Tensor:
     """x: [B, T, n_heads, head_dim]. Rotates each pair (x[d], x[d+half]) by its angle:
     x[d]      -> x[d] cos - x[d+half] sin
     x[d+half] -> x[d+half] cos + x[d] sin"""
     # [T, 1, head_dim] each: the same angle for every head
     cos, sin = cos[:, None, :], sin[:, None, :]
     out = x * cos + rotate_half(x) * sin  # [B, T, n_heads, head_dim]
-    return trace.record(name, "rotate pairs (d, d+head_dim/2) by position * freq", out)
+    what = f"rotate pairs (d, d+head_dim/2) by position * {freq}"
+    return trace.record(name, what, out)
 
 
 def apply_rope_adjacent(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

@@ -1,0 +1,185 @@
+"""Today's families against Hugging Face transformers, on tiny random-weight checkpoints made at test
+time by HF's own config and model classes (`tiny_checkpoint.FAMILIES`): Llama 3 (llama3 RoPE
+scaling), Mistral (sliding window 4), Qwen2 (bias on Q, K, V), Qwen3 (QK-norm, head_dim 24 with
+hidden 64 over 4 heads). Each is loaded by llmtrace's own loader; its logits must match HF's eager
+forward within 1e-4, for a prefill of 11 tokens (past the window) and for greedy decode steps that
+read the KV cache. Each switch must matter: turned off, the logits move far more than that."""
+
+import pytest
+import torch
+import transformers
+
+from llmtrace import Config, LlmTraceError, generate, load_model, meta_model
+from llmtrace.attention import causal_mask, window_mask
+from llmtrace.model import Model, estimate_trace_bytes, trace_bytes
+from llmtrace.rope import rope_frequencies
+from llmtrace.trace import Trace
+from tiny_checkpoint import FAMILIES, make_tiny_checkpoint
+
+TOL = 1e-4
+T, STEPS = 11, 5  # prompt length (past the window of 4) and decode steps
+# family -> (the switch turned off, the records only this family's trace has)
+SWITCH = {
+    "llama3": ({"rope_scaling": ()}, set()),
+    "mistral": ({"sliding_window": 0}, {"attn.window_mask"}),
+    "qwen2": ({"qkv_bias": False}, {"attn.q_bias", "attn.k_bias", "attn.v_bias"}),
+    "qwen3": ({"qk_norm": False}, {"attn.q_norm.mean_sq", "attn.q_norm",
+                                   "attn.k_norm.mean_sq", "attn.k_norm"}),
+}
+NEW = [f for f in FAMILIES if f != "llama"]
+
+
+@pytest.fixture(scope="module", params=NEW)
+def family(request, tmp_path_factory):
+    """(family, llmtrace's model, HF's model, prompt ids [1, T]) from one checkpoint."""
+    f = request.param
+    d = make_tiny_checkpoint(tmp_path_factory.mktemp(f) / f"tiny-{f}", family=f)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        d, attn_implementation="eager", dtype=torch.float32).eval()
+    assert type(hf).__name__ == FAMILIES[f][1]
+    ids = torch.randint(3, 32000, (1, T), generator=torch.Generator().manual_seed(5))
+    return f, load_model(d), hf, ids
+
+
+def hf_logits(hf, ids) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.as_tensor(ids).reshape(1, -1)).logits[0]  # [T, V]
+
+
+def test_prefill_matches_hf(family):
+    f, model, hf, ids = family
+    ours, _ = model.run(ids, keep_values=False)  # [1, T, V]
+    ref = hf_logits(hf, ids)  # [T, V]
+    assert (ours[0] - ref).abs().max().item() < TOL
+    off, _ = Model(model.config.replace(**SWITCH[f][0]), model.weights).run(ids, keep_values=False)
+    assert (off[0] - ref).abs().max().item() > 100 * TOL  # the switch is what makes them agree
+
+
+def test_decode_with_the_cache_matches_hf(family):
+    """Greedy steps reading the cache (positions 11..15, all past the window) against HF's
+    forward over the whole sequence: the same tokens, the same logits at each step."""
+    f, model, hf, ids = family
+    g = generate(model, ids, STEPS, stop_at_eos=False, trace=False)
+    ref = hf_logits(hf, g.ids)[T - 1:-1]  # [STEPS, V]: the logits that chose each new token
+    ours = torch.stack(g.step_logits)  # [STEPS, V]
+    assert (ours - ref).abs().max().item() < TOL
+    assert g.new_ids == ref.argmax(-1).tolist()
+
+
+def test_trace_names_show_the_family(family, tiny):
+    """A diff of the two traces' names is the family, and nothing else."""
+    f, model, _, ids = family
+    trace = model.run(ids, keep_values=False)[1]
+    names = {r.name.replace("layers.0.", "") for r in trace if not r.name.startswith("layers.1.")}
+    llama = {r.name.replace("layers.0.", "") for r in tiny.run(ids, keep_values=False)[1]
+             if not r.name.startswith("layers.1.")}
+    assert llama <= names and names - llama == SWITCH[f][1]
+    # Llama 3 adds no record: its RoPE says what turns it
+    assert ("llama3-scaled" in trace.get("layers.0.attn.rope_q").op) == (f == "llama3")
+
+
+def test_trace_bytes_count_the_family(family):
+    f, model, _, ids = family
+    _, trace = model.run(ids)
+    kept = sum(r.tensor.numel() * r.tensor.element_size() for r in trace if r.tensor is not None)
+    assert estimate_trace_bytes(model.config, T) == trace_bytes(model.config, Trace(names="*"),
+                                                                T) == kept
+
+
+def test_llama3_frequencies_match_hf(family):
+    f, model, hf, _ = family
+    c = model.config
+    ours = rope_frequencies(c.head_dim, c.rope_theta, scaling=c.rope_scaling)  # [hd/2]
+    assert torch.allclose(ours, hf.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
+    if f == "llama3":  # the tiny config reaches all three cases: kept, blended, slowed
+        plain = rope_frequencies(c.head_dim, c.rope_theta)
+        ratio = (plain / ours).tolist()
+        assert ratio[0] == 1.0 and 1.0 < ratio[1] < ratio[2] < 8.0
+        assert ratio[3:] == pytest.approx([8.0] * (len(ratio) - 3))
+
+
+def window_rule(p: int, j: int, w: int) -> bool:
+    """HF's rule, from transformers.masking_utils: causal and inside the window."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    return bool(sliding_window_causal_mask_function(w)(0, 0, torch.tensor(p), torch.tensor(j)))
+
+
+@pytest.mark.parametrize("start, T_, w", [(0, 11, 4), (11, 1, 4), (7, 3, 2), (0, 5, 9)])
+def test_window_mask_is_hfs_rule(start, T_, w):
+    S = start + T_
+    mask = causal_mask(T_, S, start) + window_mask(T_, S, start, w)  # [T, S]
+    seen = [[mask[i, j].item() == 0 for j in range(S)] for i in range(T_)]
+    assert seen == [[window_rule(start + i, j, w) for j in range(S)] for i in range(T_)]
+    assert [sum(row) for row in seen][-1] == min(w, S)  # the last query sees w keys
+
+
+@pytest.mark.parametrize("f", NEW)
+def test_config_round_trip_through_hf(f):
+    """to_hf writes what HF's class of the family reads back to the same switches."""
+    c = Config.from_hf(make_config_json(f), name="x")
+    assert c.family == ("llama" if f == "llama3" else f)
+    assert Config.from_hf(c.to_hf(), name="x") == c
+    hf_class = getattr(transformers, FAMILIES[f][0])
+    back = hf_class(**{k: v for k, v in c.to_hf().items() if k != "architectures"})
+    assert Config.from_hf(back.to_dict(), name="x") == c
+
+
+def test_configs_hf_cannot_compute_are_refused():
+    with pytest.raises(LlmTraceError, match=r"rope_scaling=\{'rope_type': 'yarn'.* is not Llama"):
+        Config.from_name("llama-3.2-1b").replace(rope_scaling={"rope_type": "yarn"})
+    with pytest.raises(LlmTraceError, match="is not what HF's LlamaForCausalLM computes"):
+        Config.from_name("tinyllama").replace(qk_norm=True).to_hf()
+    with pytest.raises(LlmTraceError, match="sliding_window=8 with family 'qwen3'"):
+        Config.from_name("qwen3-0.6b").replace(sliding_window=8).to_hf()
+
+
+def make_config_json(f: str) -> dict:
+    from tiny_checkpoint import TINY
+
+    hf_class = getattr(transformers, FAMILIES[f][0])
+    return hf_class(**{**TINY, **FAMILIES[f][2]}).to_dict()
+
+
+def test_meta_model_of_each_family_has_its_tensors():
+    for f in NEW:
+        c = Config.from_hf(make_config_json(f), name=f)
+        lw = meta_model(c).weights.layers[0]
+        assert (lw.q_bias is not None) == c.qkv_bias and (lw.q_norm is not None) == c.qk_norm
+
+
+def test_a_directory_with_only_tokenizer_json_loads(tmp_path):
+    """Qwen, Gemma and Llama 3 checkpoints ship tokenizer.json, no tokenizer.model; Qwen's
+    settings add no BOS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    d = make_tiny_checkpoint(tmp_path / "tiny-qwen3", family="qwen3")
+    (d / "tokenizer.model").unlink()
+    (d / "tokenizer_config.json").unlink()
+    words = "<unk> <s> </s> The capital of France is Paris".split()
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    model = load_model(d)
+    assert model.tokenizer.kind == "byte-level BPE"  # llmtrace's name for any tokenizer.json
+    ids = model.encode("The capital of France is")[0].tolist()
+    assert ids == [3, 4, 5, 6, 7]
+    assert model.tokenizer.decode(ids) == "The capital of France is"
+    assert generate(model, "The capital of France is", 2, trace=False).positions_processed == 6
+
+
+def test_tokenizer_json_adds_bos_as_its_post_processor_says(tmp_path):
+    """Llama 3's tokenizer.json adds <|begin_of_text|> in its post-processor and its settings
+    do not say add_bos_token: HF adds it, so does llmtrace."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    d = make_tiny_checkpoint(tmp_path / "tiny-llama3", family="llama3")
+    (d / "tokenizer.model").unlink()
+    (d / "tokenizer_config.json").unlink()
+    words = "<unk> <s> </s> The capital".split()
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", 1)])
+    tok.save(str(d / "tokenizer.json"))
+    assert load_model(d).encode("The capital")[0].tolist() == [1, 3, 4]

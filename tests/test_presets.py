@@ -1,0 +1,64 @@
+"""Today's presets, shapes only: each one's parameter count, as llmtrace counts it (cost.py, and the
+meta model's tensors), equals the count of HF's own model class built on the meta device from the
+config.json llmtrace writes, and the model's published total. Each traces on the meta device."""
+
+import time
+
+import pytest
+import torch
+import transformers
+
+from llmtrace import Config, meta_model, trace_shapes
+from llmtrace.cost import parameter_count
+
+# the totals the model cards and the HF hub's safetensors metadata give
+PUBLISHED = {"llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248,
+             "qwen3-0.6b": 596_049_920, "mistral-7b-v0.1": 7_241_732_096}
+FAMILY = {"llama-3.2-1b": "llama", "llama-3.1-8b": "llama", "qwen3-0.6b": "qwen3",
+          "mistral-7b-v0.1": "mistral"}
+
+
+def hf_meta_count(c: Config) -> int:
+    """Parameters of HF's class for the family, on the meta device (no memory); a tied head's
+    table is one parameter, counted once."""
+    settings = c.to_hf()
+    hf_config = transformers.AutoConfig.for_model(settings.pop("model_type"), **settings)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert type(model).__name__ == settings["architectures"][0]
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_parameter_count(name):
+    c = Config.from_name(name)
+    assert c.family == FAMILY[name]
+    weights = meta_model(c).weights
+    tensors = {id(t): t for t in [weights.embed, weights.final_norm, weights.lm_head]}
+    for lw in weights.layers:
+        tensors.update({id(t): t for t in vars(lw).values() if t is not None})
+    assert parameter_count(c) == sum(t.numel() for t in tensors.values())
+    assert parameter_count(c) == hf_meta_count(c) == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_round_trip_through_hf_config(name):
+    c = Config.from_name(name)
+    assert Config.from_hf(c.to_hf(), name=name) == c
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_traces_on_meta(name):
+    """Prefill of 6 tokens and one decode step, every layer: well under a second a layer."""
+    c = Config.from_name(name)
+    started = time.perf_counter()
+    prefill, decode = trace_shapes(c, 6, 1)
+    seconds = time.perf_counter() - started
+    assert seconds < 0.2 * c.n_layers
+    assert prefill.get("lm_head").shape == (1, 6, c.vocab_size)
+    q = prefill.get("layers.0.attn.q").shape
+    assert q == (1, 6, c.n_heads, c.head_dim)
+    assert decode.get("layers.0.attn.kv_cache.k").shape == (1, 7, c.n_kv_heads, c.head_dim)
+    names = {r.name for r in prefill}
+    assert ("layers.0.attn.q_norm" in names) == c.qk_norm
+    assert ("layers.0.attn.window_mask" in names) == bool(c.sliding_window)
