@@ -71,3 +71,14 @@ def test_cli_shapes_only_tinyllama(capsys):
     shapes = {x["name"]: x["shape"] for x in out["trace"]}
     assert shapes["layers.21.attn.k_expanded"] == [1, 32, 6, 64] and shapes["lm_head"] == [1, 6, 32000]
     assert {x["name"]: x["shape"] for x in out["decode_trace"]}["layers.0.attn.kv_cache.k"] == [1, 7, 4, 64]
+
+
+def test_cli_shapes_only_of_a_family_says_whose_tokenizer_stands_in(capsys):
+    _, stdout, _ = run(capsys, "--shapes-only", "--json", "--model", "qwen3-0.6b", PROMPT)
+    out = json.loads(stdout)
+    assert "qwen3-0.6b's own tokenizer is not on this machine" in out["source"]
+    shapes = {x["name"]: x["shape"] for x in out["trace"]}
+    # Qwen3-0.6B: 16 query heads of 128 over a hidden of 1024, QK-norm per head
+    assert shapes["layers.0.attn.q_norm"] == [1, 6, 16, 128] and shapes["lm_head"] == [1, 6, 151936]
+    _, stdout, _ = run(capsys, "--shapes-only", "--json", PROMPT)
+    assert "stands in" not in json.loads(stdout)["source"]  # TinyLlama's tokenizer is its own

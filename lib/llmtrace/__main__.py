@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from .config import PRESETS
 from .errors import LlmTraceError
 
 
@@ -36,7 +37,7 @@ def parse_args(argv):
     p.add_argument("--all-layers", action="store_true", help="show every layer in the table")
     p.add_argument("--shapes-only", action="store_true",
                    help="trace TinyLlama-1.1B's shapes on the meta device, no weights needed "
-                        "(--model may name another preset: llama-2-7b, llama-2-70b, smollm2-135m)")
+                        "(--model may name another preset: " + ", ".join(sorted(PRESETS)) + ")")
     p.add_argument("--lens", action="store_true",
                    help="instead of the trace table, the logit lens: the top token after every "
                         "layer at every position, and the greedy token's p at the last position")
@@ -99,17 +100,21 @@ def run_shapes_only(args) -> dict:
     from .tokenize import display_piece
 
     config = shapes_config(args.model)
-    if config.vocab_size == 32000:  # TinyLlama and the Llama-2 presets share Llama-2's tokenizer
-        from .weights.tokenizer_llama import llama_tokenizer
-
-        tok = llama_tokenizer()
-    else:
+    source = "meta device (shapes only)"
+    if config.name == "smollm2-135m":
         from .load import load_model
 
         tok = load_model("embedded").tokenizer
+    else:  # TinyLlama and Llama 2 use Llama-2's tokenizer, which is here offline
+        from .weights.tokenizer_llama import llama_tokenizer
+
+        tok = llama_tokenizer()
+        if not config.name.startswith(("tinyllama", "llama-2")):  # the others' are not here
+            source += (f"; {config.name}'s own tokenizer is not on this machine: "
+                       "Llama-2's stands in, so only the count of tokens is its")
     ids = torch.tensor([tok.encode(args.prompt)])  # [1, T]
     prefill, decode = trace_shapes(config, ids, decode_steps=1)
-    return {"model": config.name, "source": "meta device (shapes only)", "config": config.to_dict(),
+    return {"model": config.name, "source": source, "config": config.to_dict(),
             "input_ids": ids[0].tolist(),
             "input_pieces": [display_piece(tok, i) for i in ids[0].tolist()],
             "trace": prefill, "decode_trace": decode, "generation": None}
