@@ -23,6 +23,7 @@ PROMPT = "The capital of France is"
 EMBEDDED = "smollm2-135m"  # the embedded model's config name
 TINYLLAMA = "tinyllama-1.1b"
 FULL_NAMES = {EMBEDDED: "SmolLM2-135M-Instruct", TINYLLAMA: "TinyLlama-1.1B"}
+SHORT_NAMES = {EMBEDDED: "SmolLM2-135M", TINYLLAMA: "TinyLlama-1.1B"}  # for running prose
 
 
 @functools.lru_cache(maxsize=1)
@@ -48,10 +49,13 @@ def describe_config(c) -> str:
             f"vocabulary {c.vocab_size:,}, LM head {head}")
 
 
-def model_label(model: Model) -> str:
+def model_label(model: Model, short: bool = False) -> str:
     """The name a reader knows the running model by, and what its values are: the embedded
-    model is the Q4_1 GGUF (Q8_0 embedding, F32 norms) dequantized to fp32."""
+    model is the Q4_1 GGUF (Q8_0 embedding, F32 norms) dequantized to fp32. The banner gives
+    that in full; `short=True` gives the name alone ("SmolLM2-135M"), which fits in a sentence."""
     name = model.config.name
+    if short:
+        return SHORT_NAMES.get(name, name)
     if name == EMBEDDED:
         return f"{FULL_NAMES[EMBEDDED]}, Q4_1 weights in fp32"
     return FULL_NAMES.get(name, name)
