@@ -133,8 +133,16 @@ def decode_loop_without_cache(step, prompt_ids, n_new):
     return ids[-n_new:]
 
 
+def count_parameters_without_norms(c):
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    block = (2 * q + 2 * kv + 3 * c.ffn_size) * c.hidden_size
+    head = 0 if c.tied_lm_head else c.vocab_size * c.hidden_size
+    return c.vocab_size * c.hidden_size + c.n_layers * block + head
+
+
 INF = float("-inf")
 WRONG = {
+    "count_parameters": [(count_parameters_without_norms, "the norms have weights too")],
     "bpe_merge": [(bpe_highest_rank_first, "LOWEST rank merges first")],
     "embed": [(lambda ids, table: table.T[ids], "one ROW per token")],
     "rms_norm": [(rms_norm_eps_outside, "eps goes INSIDE the square root")],
@@ -232,3 +240,11 @@ def test_an_out_of_bounds_index_is_the_same_error_whichever_index_a_thread_met()
                                         "1536x576)"),
                            RuntimeError("mat1 and mat2 shapes cannot be multiplied (5x1536 and "
                                         "576x1536)"))
+
+
+def test_count_parameters_names_the_head_counted_wrongly(capsys, model):
+    c = model.config
+    extra = c.vocab_size * c.hidden_size * (1 if c.tied_lm_head else -1)
+    ok, line = verdict(capsys, "count_parameters",
+                       lambda cfg: solution("count_parameters")(cfg) + extra, model)
+    assert not ok and f"({extra:+,})" in line and "LM head" in line, line

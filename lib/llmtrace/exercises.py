@@ -67,6 +67,7 @@ PROMPT = "The capital of France is"
 OTHER = "The capital of Germany is"  # the prompt whose stream `patch_country` patches in
 
 CHAPTERS = {
+    "count_parameters": 1,
     "bpe_merge": 2,
     "embed": 3,
     "rms_norm": 4,
@@ -90,6 +91,21 @@ NAMES = list(CHAPTERS)
 
 
 # --- the reference solutions: each docstring is the exercise --------------------------------------
+
+def count_parameters(config) -> int:
+    """The number of parameters of a Llama model, from its config alone: the embedding table
+    [V, D]; per block, the two norms' weights [D], q_proj [H * hd, D] and o_proj [D, H * hd],
+    k_proj and v_proj [KV * hd, D] each, gate and up [F, D] and down [D, F]; the final norm [D];
+    and the LM head [V, D], unless it is tied to the embedding (`config.tied_lm_head`: one matrix
+    serves both ends). The fields: vocab_size, hidden_size, n_layers, n_heads, n_kv_heads,
+    head_dim, ffn_size, tied_lm_head."""
+    c = config
+    V, D, F, L = c.vocab_size, c.hidden_size, c.ffn_size, c.n_layers
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim  # widths of Q and of K, V
+    block = 2 * D + 2 * q * D + 2 * kv * D + 3 * F * D  # norms, q and o, k and v, the FFN
+    head = 0 if c.tied_lm_head else V * D
+    return V * D + L * block + D + head  # embedding, the blocks, the final norm, the head
+
 
 def bpe_merge(symbols: list[str], priority: Callable[[str, str], int | None]) -> list[str]:
     """Split one word into the tokenizer's pieces by byte-pair merges (chapter 2's loop).
@@ -488,6 +504,51 @@ def _bpe_tables(model):
 def _priority(ranks: dict) -> Callable[[str, str], int | None]:
     """The priority function of a table {(left, right): rank}: None for a pair not in it."""
     return lambda a, b: ranks.get((a, b))
+
+
+def _case_count_parameters(model) -> Case:
+    from .model import state_dict_from_weights
+
+    c = model.config
+    want = sum(t.numel() for t in state_dict_from_weights(c, model.weights).values())
+    if count_parameters(c) != want:  # the reference must count what was loaded
+        raise LlmTraceError(f"{model.name} holds {want:,} parameters, not what its config "
+                            "gives: count_parameters cannot be checked on it")
+
+    def call(fn):
+        got = fn(c)
+        if got is None:
+            raise _Stub
+        return got
+
+    def compare(got, want):
+        if isinstance(got, torch.Tensor) and got.numel() == 1:
+            got = got.item()
+        if isinstance(got, float) and got.is_integer():
+            got = int(got)
+        if not isinstance(got, int) or isinstance(got, bool):
+            return f"wanted a whole number, got {type(got).__name__}"
+        if got != want:
+            return f"wanted {want:,}, got {got:,} ({got - want:+,})"
+        return None
+
+    V, D, F, L = c.vocab_size, c.hidden_size, c.ffn_size, c.n_layers
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    head = V * D if c.tied_lm_head else -V * D  # what counting the head wrongly changes
+    head_hint = ("the LM head is tied to the embedding: one matrix, counted once"
+                 if c.tied_lm_head else
+                 "the LM head is not tied to the embedding: a [V, D] matrix of its own")
+    mistakes = [(head, head_hint),
+                (2 * L * (q - kv) * D, "k_proj and v_proj have n_kv_heads heads, not n_heads "
+                                       "(grouped-query attention)"),
+                (-(2 * L + 1) * D, "the norms have weights too: two per block and the final "
+                                   "one, hidden_size each"),
+                (-D, "the final norm's weight is missing: hidden_size more"),
+                (-2 * L * D, "each block has two norms, hidden_size weights each"),
+                (-L * F * D, "the FFN has three matrices: gate, up and down")]
+    return Case(call, want, f"the {want:,} parameters loaded", compare,
+                [((lambda c, off=off: count_parameters(c) + off), hint)
+                 for off, hint in mistakes if off])
 
 
 def _case_bpe_merge(model) -> Case:
