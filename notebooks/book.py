@@ -116,7 +116,9 @@ def tinyllama_card_html(stage: str | list[str], tiny: Trace) -> str:
     return (f'<details class="tinyllama-card"><summary><span class="tl-model">TinyLlama-1.1B'
             f'</span> at this stage: {len(recs)} {ops}, exact shapes</summary>'
             f'<p class="tl-note">The reference model, traced on PyTorch\'s meta device (shapes, '
-            f"no weights) for the same prompt: {n} tokens with BOS. "
+            f"no weights) for the same prompt: {n} tokens, the first of them BOS "
+            f"(<code>&lt;s&gt;</code>, the start-of-text token that its tokenizer puts in front of "
+            f"every text). "
             f"{html.escape(shape[0].upper() + shape[1:])}.{where}</p>"
             f'<table><thead><tr><th>name</th><th>operation</th><th class="shape">shape</th></tr>'
             f"</thead><tbody>{rows}</tbody></table></details>")
