@@ -61,6 +61,26 @@ def model_label(model: Model, short: bool = False) -> str:
     return FULL_NAMES.get(name, name)
 
 
+def readable_piece(tokenizer, i: int) -> str:
+    """`display_piece`, except for a byte-level piece that is only part of a character (decoded
+    alone, it gives the replacement character "\ufffd"): its incomplete bytes are written as
+    SentencePiece writes its byte pieces, " <0xD0>" for the first byte of a Cyrillic letter."""
+    import codecs
+
+    from llmtrace.tokenize import display_piece
+
+    text = display_piece(tokenizer, i)
+    if "\ufffd" not in text or tokenizer.kind == "sentencepiece":
+        return text
+    from llmtrace.exercises import _bytes_to_unicode  # GPT-2's byte <-> character table
+
+    to_byte = {ch: b for b, ch in _bytes_to_unicode().items()}
+    raw = bytes(to_byte[ch] for ch in tokenizer.id_to_piece(i))
+    codecs.register_error("llmtrace-bytes", lambda e: (
+        "".join(f"<0x{b:02X}>" for b in e.object[e.start:e.end]), e.end))
+    return raw.decode("utf-8", errors="llmtrace-bytes")
+
+
 def runs(model: Model, name: str = EMBEDDED) -> bool:
     """True when the running model is `name`: claims measured on one model are asserted only
     then."""
