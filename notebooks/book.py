@@ -23,6 +23,7 @@ PROMPT = "The capital of France is"
 EMBEDDED = "smollm2-135m"  # the embedded model's config name
 TINYLLAMA = "tinyllama-1.1b"
 FULL_NAMES = {EMBEDDED: "SmolLM2-135M-Instruct", TINYLLAMA: "TinyLlama-1.1B"}
+SHORT_NAMES = {EMBEDDED: "SmolLM2-135M", TINYLLAMA: "TinyLlama-1.1B"}  # for running prose
 
 
 @functools.lru_cache(maxsize=1)
@@ -48,13 +49,36 @@ def describe_config(c) -> str:
             f"vocabulary {c.vocab_size:,}, LM head {head}")
 
 
-def model_label(model: Model) -> str:
+def model_label(model: Model, short: bool = False) -> str:
     """The name a reader knows the running model by, and what its values are: the embedded
-    model is the Q4_1 GGUF (Q8_0 embedding, F32 norms) dequantized to fp32."""
+    model is the Q4_1 GGUF (Q8_0 embedding, F32 norms) dequantized to fp32. The banner gives
+    that in full; `short=True` gives the name alone ("SmolLM2-135M"), which fits in a sentence."""
     name = model.config.name
+    if short:
+        return SHORT_NAMES.get(name, name)
     if name == EMBEDDED:
         return f"{FULL_NAMES[EMBEDDED]}, Q4_1 weights in fp32"
     return FULL_NAMES.get(name, name)
+
+
+def readable_piece(tokenizer, i: int) -> str:
+    """`display_piece`, except for a byte-level piece that is only part of a character (decoded
+    alone, it gives the replacement character "\ufffd"): its incomplete bytes are written as
+    SentencePiece writes its byte pieces, " <0xD0>" for the first byte of a Cyrillic letter."""
+    import codecs
+
+    from llmtrace.tokenize import display_piece
+
+    text = display_piece(tokenizer, i)
+    if "\ufffd" not in text or tokenizer.kind == "sentencepiece":
+        return text
+    from llmtrace.exercises import _bytes_to_unicode  # GPT-2's byte <-> character table
+
+    to_byte = {ch: b for b, ch in _bytes_to_unicode().items()}
+    raw = bytes(to_byte[ch] for ch in tokenizer.id_to_piece(i))
+    codecs.register_error("llmtrace-bytes", lambda e: (
+        "".join(f"<0x{b:02X}>" for b in e.object[e.start:e.end]), e.end))
+    return raw.decode("utf-8", errors="llmtrace-bytes")
 
 
 def runs(model: Model, name: str = EMBEDDED) -> bool:
@@ -112,7 +136,9 @@ def tinyllama_card_html(stage: str | list[str], tiny: Trace) -> str:
     return (f'<details class="tinyllama-card"><summary><span class="tl-model">TinyLlama-1.1B'
             f'</span> at this stage: {len(recs)} {ops}, exact shapes</summary>'
             f'<p class="tl-note">The reference model, traced on PyTorch\'s meta device (shapes, '
-            f"no weights) for the same prompt: {n} tokens with BOS. "
+            f"no weights) for the same prompt: {n} tokens, the first of them BOS "
+            f"(<code>&lt;s&gt;</code>, the start-of-text token that its tokenizer puts in front of "
+            f"every text). "
             f"{html.escape(shape[0].upper() + shape[1:])}.{where}</p>"
             f'<table><thead><tr><th>name</th><th>operation</th><th class="shape">shape</th></tr>'
             f"</thead><tbody>{rows}</tbody></table></details>")

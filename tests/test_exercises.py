@@ -73,10 +73,11 @@ def test_errors_become_false_with_their_message(capsys, model):
 
 # --- typical wrong versions, each with the words its verdict must contain ------------------------
 
-def bpe_highest_rank_first(symbols, ranks):
+def bpe_highest_rank_first(symbols, priority):
     pieces = list(symbols)
     while True:
-        pairs = [(ranks[p], i) for i, p in enumerate(zip(pieces, pieces[1:])) if p in ranks]
+        pairs = [(priority(a, b), i) for i, (a, b) in enumerate(zip(pieces, pieces[1:]))]
+        pairs = [(r, i) for r, i in pairs if r is not None]
         if not pairs:
             return pieces
         _, i = max(pairs)
@@ -87,7 +88,7 @@ def rms_norm_eps_outside(x, weight, eps):
     return weight * x / (x.pow(2).mean(-1, keepdim=True).sqrt() + eps)
 
 
-def rope_frequencies_interleaved(positions, head_dim, theta):
+def rope_cos_sin_interleaved(positions, head_dim, theta):
     freqs = theta ** -(torch.arange(0, head_dim, 2).float() / head_dim)
     angles = (positions.float()[:, None] * freqs).repeat_interleave(2, -1)
     return angles.cos(), angles.sin()
@@ -132,12 +133,20 @@ def decode_loop_without_cache(step, prompt_ids, n_new):
     return ids[-n_new:]
 
 
+def count_parameters_without_norms(c):
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    block = (2 * q + 2 * kv + 3 * c.ffn_size) * c.hidden_size
+    head = 0 if c.tied_lm_head else c.vocab_size * c.hidden_size
+    return c.vocab_size * c.hidden_size + c.n_layers * block + head
+
+
 INF = float("-inf")
 WRONG = {
+    "count_parameters": [(count_parameters_without_norms, "the norms have weights too")],
     "bpe_merge": [(bpe_highest_rank_first, "LOWEST rank merges first")],
     "embed": [(lambda ids, table: table.T[ids], "one ROW per token")],
     "rms_norm": [(rms_norm_eps_outside, "eps goes INSIDE the square root")],
-    "rope_frequencies": [(rope_frequencies_interleaved, "adjacent-pair layout")],
+    "rope_cos_sin": [(rope_cos_sin_interleaved, "adjacent-pair layout")],
     "rope_rotate": [(rope_rotate_adjacent, "adjacent-pair convention")],
     "attn_scores": [(lambda q, k: q @ k.transpose(-2, -1), "1/sqrt(head_dim) scale is missing"),
                     (lambda q, k: k @ q.transpose(-2, -1) / math.sqrt(q.shape[-1]),
@@ -231,3 +240,11 @@ def test_an_out_of_bounds_index_is_the_same_error_whichever_index_a_thread_met()
                                         "1536x576)"),
                            RuntimeError("mat1 and mat2 shapes cannot be multiplied (5x1536 and "
                                         "576x1536)"))
+
+
+def test_count_parameters_names_the_head_counted_wrongly(capsys, model):
+    c = model.config
+    extra = c.vocab_size * c.hidden_size * (1 if c.tied_lm_head else -1)
+    ok, line = verdict(capsys, "count_parameters",
+                       lambda cfg: solution("count_parameters")(cfg) + extra, model)
+    assert not ok and f"({extra:+,})" in line and "LM head" in line, line

@@ -67,10 +67,11 @@ PROMPT = "The capital of France is"
 OTHER = "The capital of Germany is"  # the prompt whose stream `patch_country` patches in
 
 CHAPTERS = {
+    "count_parameters": 1,
     "bpe_merge": 2,
     "embed": 3,
     "rms_norm": 4,
-    "rope_frequencies": 5,
+    "rope_cos_sin": 5,
     "rope_rotate": 5,
     "attn_scores": 6,
     "causal_mask": 6,
@@ -91,18 +92,34 @@ NAMES = list(CHAPTERS)
 
 # --- the reference solutions: each docstring is the exercise --------------------------------------
 
-def bpe_merge(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
-    """Split one word into the tokenizer's pieces by byte-pair merges.
+def count_parameters(config) -> int:
+    """The number of parameters of a Llama model, from its config alone: the embedding table
+    [V, D]; per block, the two norms' weights [D], q_proj [H * hd, D] and o_proj [D, H * hd],
+    k_proj and v_proj [KV * hd, D] each, gate and up [F, D] and down [D, F]; the final norm [D];
+    and the LM head [V, D], unless it is tied to the embedding (`config.tied_lm_head`: one matrix
+    serves both ends). The fields: vocab_size, hidden_size, n_layers, n_heads, n_kv_heads,
+    head_dim, ffn_size, tied_lm_head."""
+    c = config
+    V, D, F, L = c.vocab_size, c.hidden_size, c.ffn_size, c.n_layers
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim  # widths of Q and of K, V
+    block = 2 * D + 2 * q * D + 2 * kv * D + 3 * F * D  # norms, q and o, k and v, the FFN
+    head = 0 if c.tied_lm_head else V * D
+    return V * D + L * block + D + head  # embedding, the blocks, the final norm, the head
+
+
+def bpe_merge(symbols: list[str], priority: Callable[[str, str], int | None]) -> list[str]:
+    """Split one word into the tokenizer's pieces by byte-pair merges (chapter 2's loop).
 
     symbols: the word's first symbols: one per byte for byte-level BPE (printed as GPT-2's
       characters, "Ġ" for a space), one per character for SentencePiece ("▁" for a space).
-    ranks: {(left, right): rank} for every pair of pieces this word could merge; the lower the
-      rank, the earlier the merge (merge order for byte-level BPE, score order for SentencePiece).
+    priority(left, right): the rank of merging the two pieces, the lower the earlier (merge order
+      for byte-level BPE, score order for SentencePiece), or None when they may not merge.
     Returns the list of pieces: merge the adjacent pair with the lowest rank (the leftmost one on
-    a tie), again and again, until no adjacent pair is in `ranks`."""
+    a tie), again and again, until no adjacent pair may merge."""
     pieces = list(symbols)
     while True:
-        pairs = [(ranks[p], i) for i, p in enumerate(zip(pieces, pieces[1:])) if p in ranks]
+        pairs = [(priority(a, b), i) for i, (a, b) in enumerate(zip(pieces, pieces[1:]))]
+        pairs = [(r, i) for r, i in pairs if r is not None]
         if not pairs:
             return pieces
         _, i = min(pairs)  # the lowest rank; on a tie, the leftmost
@@ -122,9 +139,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x * torch.rsqrt(mean_sq + eps)  # [B, T, D]
 
 
-def rope_frequencies(positions: torch.Tensor, head_dim: int,
-                     theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's angles. positions [T] (int64), head_dim, theta -> (cos, sin), each [T, head_dim].
+def rope_cos_sin(positions: torch.Tensor, head_dim: int,
+                 theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's angles, as the library's `llmtrace.rope.rope_cos_sin` makes them.
+    positions [T] (int64), head_dim, theta -> (cos, sin), each [T, head_dim].
     Pair i turns at freq_i = theta^(-2i / head_dim); the angle is position * freq_i. The library
     pairs dimension d with d + head_dim/2 (HF's rotate-half layout), so both halves of a row hold
     the same head_dim/2 angles."""
@@ -483,6 +501,56 @@ def _bpe_tables(model):
     return store["bpe"]
 
 
+def _priority(ranks: dict) -> Callable[[str, str], int | None]:
+    """The priority function of a table {(left, right): rank}: None for a pair not in it."""
+    return lambda a, b: ranks.get((a, b))
+
+
+def _case_count_parameters(model) -> Case:
+    from .model import state_dict_from_weights
+
+    c = model.config
+    want = sum(t.numel() for t in state_dict_from_weights(c, model.weights).values())
+    if count_parameters(c) != want:  # the reference must count what was loaded
+        raise LlmTraceError(f"{model.name} holds {want:,} parameters, not what its config "
+                            "gives: count_parameters cannot be checked on it")
+
+    def call(fn):
+        got = fn(c)
+        if got is None:
+            raise _Stub
+        return got
+
+    def compare(got, want):
+        if isinstance(got, torch.Tensor) and got.numel() == 1:
+            got = got.item()
+        if isinstance(got, float) and got.is_integer():
+            got = int(got)
+        if not isinstance(got, int) or isinstance(got, bool):
+            return f"wanted a whole number, got {type(got).__name__}"
+        if got != want:
+            return f"wanted {want:,}, got {got:,} ({got - want:+,})"
+        return None
+
+    V, D, F, L = c.vocab_size, c.hidden_size, c.ffn_size, c.n_layers
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    head = V * D if c.tied_lm_head else -V * D  # what counting the head wrongly changes
+    head_hint = ("the LM head is tied to the embedding: one matrix, counted once"
+                 if c.tied_lm_head else
+                 "the LM head is not tied to the embedding: a [V, D] matrix of its own")
+    mistakes = [(head, head_hint),
+                (2 * L * (q - kv) * D, "k_proj and v_proj have n_kv_heads heads, not n_heads "
+                                       "(grouped-query attention)"),
+                (-(2 * L + 1) * D, "the norms have weights too: two per block and the final "
+                                   "one, hidden_size each"),
+                (-D, "the final norm's weight is missing: hidden_size more"),
+                (-2 * L * D, "each block has two norms, hidden_size weights each"),
+                (-L * F * D, "the FFN has three matrices: gate, up and down")]
+    return Case(call, want, f"the {want:,} parameters loaded", compare,
+                [((lambda c, off=off: count_parameters(c) + off), hint)
+                 for off, hint in mistakes if off])
+
+
 def _case_bpe_merge(model) -> Case:
     symbols, rank, text = _bpe_tables(model)
     tok = model.tokenizer
@@ -498,7 +566,7 @@ def _case_bpe_merge(model) -> Case:
                     if r is not None:
                         ranks[(s[i:j], s[j:k])] = r
         pieces = [tok.id_to_piece(i) for i in tok.encode(text(word), bos=False)]
-        if bpe_merge(sym, ranks) == pieces:  # a word the tokenizer splits by merges alone
+        if bpe_merge(sym, _priority(ranks)) == pieces:  # a word split by merges alone
             words.append((word, sym, ranks, pieces))
     if len(words) < 3:
         raise LlmTraceError(f"the tokenizer of {model.name} does not split words by its merges "
@@ -507,7 +575,7 @@ def _case_bpe_merge(model) -> Case:
     def call(fn):
         out = []
         for _, sym, ranks, _ in words:
-            got = fn(list(sym), dict(ranks))
+            got = fn(list(sym), _priority(dict(ranks)))
             if got is None:
                 raise _Stub
             out.append(list(got) if isinstance(got, (list, tuple)) else got)
@@ -519,28 +587,32 @@ def _case_bpe_merge(model) -> Case:
                 return f"the word {word!r}: wanted {w}, got {g}"
         return None
 
-    def highest_first(symbols, ranks):
+    def mergeable(pieces, priority):  # [(rank, index)] of the pairs that may merge
+        pairs = [(priority(a, b), i) for i, (a, b) in enumerate(zip(pieces, pieces[1:]))]
+        return [(r, i) for r, i in pairs if r is not None]
+
+    def highest_first(symbols, priority):
         pieces = list(symbols)
         while True:
-            pairs = [(ranks[p], i) for i, p in enumerate(zip(pieces, pieces[1:])) if p in ranks]
+            pairs = mergeable(pieces, priority)
             if not pairs:
                 return pieces
             _, i = max(pairs)
             pieces[i:i + 2] = [pieces[i] + pieces[i + 1]]
 
-    def left_to_right(symbols, ranks):
+    def left_to_right(symbols, priority):
         pieces = list(symbols)
         i = 0
         while i < len(pieces) - 1:
-            if (pieces[i], pieces[i + 1]) in ranks:
+            if priority(pieces[i], pieces[i + 1]) is not None:
                 pieces[i:i + 2] = [pieces[i] + pieces[i + 1]]
             else:
                 i += 1
         return pieces
 
-    def one_pass(symbols, ranks):
+    def one_pass(symbols, priority):
         pieces = list(symbols)
-        pairs = [(ranks[p], i) for i, p in enumerate(zip(pieces, pieces[1:])) if p in ranks]
+        pairs = mergeable(pieces, priority)
         if pairs:
             _, i = min(pairs)
             pieces[i:i + 2] = [pieces[i] + pieces[i + 1]]
@@ -551,8 +623,8 @@ def _case_bpe_merge(model) -> Case:
                     (highest_first, "the LOWEST rank merges first (rank 0 is the first merge)"),
                     (left_to_right, "merge by rank, not left to right: at each step the "
                                     "lowest-ranked adjacent pair, wherever it is"),
-                    (one_pass, "one merge is not enough: repeat until no adjacent pair is in "
-                               "ranks")])
+                    (one_pass, "one merge is not enough: repeat until no adjacent pair may "
+                               "merge")])
 
 
 def _case_embed(model) -> Case:
@@ -596,16 +668,16 @@ def _rope_inputs(model):
     return torch.arange(T), c.head_dim, c.rope_theta
 
 
-def _case_rope_frequencies(model) -> Case:
+def _case_rope_cos_sin(model) -> Case:
     trace = _trace(model)
     positions, hd, theta = _rope_inputs(model)
-    want = rope_frequencies(positions, hd, theta)
+    want = rope_cos_sin(positions, hd, theta)
     # the reference must turn the recorded q into the recorded rope_q, or the check is wrong
     made = rope_rotate(trace["layers.0.attn.q"], *want)
     problem = tensor_diff(made, trace["layers.0.attn.rope_q"], 1e-5)
     if problem:
         raise LlmTraceError(f"this model's RoPE is not the plain formula ({problem}): "
-                            "rope_frequencies cannot be checked on it")
+                            "rope_cos_sin cannot be checked on it")
 
     def interleaved(positions, hd, theta):
         freqs = 1.0 / theta ** (torch.arange(0, hd, 2).float() / hd)
@@ -631,13 +703,13 @@ def _case_rope_frequencies(model) -> Case:
                     (half_only, "one angle per pair, and each pair has two dimensions: "
                                 "repeat the angles to head_dim with torch.cat([a, a], -1)"),
                     (exponent_i, "freq_i = theta^(-2i / head_dim): the exponent steps by 2"),
-                    (lambda p, hd, theta: rope_frequencies(p + 1, hd, theta),
+                    (lambda p, hd, theta: rope_cos_sin(p + 1, hd, theta),
                      "positions count from 0: the first token is not rotated")])
 
 
 def _case_rope_rotate(model) -> Case:
     trace = _trace(model)
-    cos, sin = rope_frequencies(*_rope_inputs(model))
+    cos, sin = rope_cos_sin(*_rope_inputs(model))
     x, want = trace["layers.0.attn.q"], trace["layers.0.attn.rope_q"]
 
     def adjacent(x, cos, sin):
@@ -836,7 +908,7 @@ def _layer_fns(model, i: int):
 
     def attn(x):  # [B, T, D]
         B, T, _ = x.shape
-        cos, sin = rope_frequencies(torch.arange(T), hd, c.rope_theta)
+        cos, sin = rope_cos_sin(torch.arange(T), hd, c.rope_theta)
         q = rope_rotate(F.linear(x, lw.q_proj).view(B, T, H, hd), cos, sin)  # [B, T, H, hd]
         k = rope_rotate(F.linear(x, lw.k_proj).view(B, T, KV, hd), cos, sin)  # [B, T, KV, hd]
         v = F.linear(x, lw.v_proj).view(B, T, KV, hd)  # [B, T, KV, hd]
