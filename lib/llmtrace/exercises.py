@@ -1114,8 +1114,9 @@ def _case_window_mask(model) -> Case:
     from .model import Model
     from .trace import Trace
 
-    windowed = Model(model.config.replace(sliding_window=WINDOW), model.weights,
-                     model.tokenizer)
+    c = model.config
+    every = {"layer_types": ()} if getattr(c, "layer_types", ()) else {}  # every layer slides
+    windowed = Model(c.replace(sliding_window=WINDOW, **every), model.weights, model.tokenizer)
     ids = model.encode(PROMPT)  # [1, T]
     T, name = ids.shape[1], "layers.0.attn.window_mask"
     cache = windowed.new_cache(T + 1)
