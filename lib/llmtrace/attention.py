@@ -54,6 +54,8 @@ class Positions:
     sin: torch.Tensor  # [T, head_dim]
     mask: torch.Tensor  # [T, start + T]: `causal_mask`
     window: torch.Tensor | None = None  # [T, start + T]: `window_mask`, if the config slides
+    base: float = 0.0  # the RoPE base, said in the trace when layers differ in it (Gemma 3)
+    local: "Positions | None" = None  # Gemma 3's sliding layers: their window and RoPE base
 
     @classmethod
     def of(cls, start: int, T: int, config, device=None) -> "Positions":
@@ -65,21 +67,33 @@ class Positions:
         cos, sin = rope_cos_sin(positions, config.head_dim, config.rope_theta,
                                 config.rope_scaling)  # [T, hd] each
         S, W = start + T, config.sliding_window
+        causal = causal_mask(T, S, start, device)
         window = window_mask(T, S, start, W, device) if W else None
-        return cls(start, cos, sin, causal_mask(T, S, start, device), window)
+        if not config.layer_types:  # every layer alike (Mistral: all slide)
+            return cls(start, cos, sin, causal, window)
+        # Gemma 3: full layers see every earlier key; sliding layers see
+        # the window, and turn at a RoPE base of their own
+        local = config.rope_local_theta or config.rope_theta
+        local_cos, local_sin = rope_cos_sin(positions, config.head_dim, local)
+        return cls(start, cos, sin, causal, None, config.rope_theta,
+                   cls(start, local_cos, local_sin, causal, window, local))
 
 
 def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0,
-           window=None):
+           window=None, scale=0.0):
     """Scaled dot-product attention, step by step. q [..., T, d], k and v [..., S, d],
     mask [T, S]. Each query row scores every key, the mask removes the future, softmax
     turns scores into weights that sum to 1, and the output is the weighted sum of the
-    values. window [T, S]: a sliding window's mask, added to the causal one."""
+    values. window [T, S]: a sliding window's mask, added to the causal one.
+    scale: the scores' factor, if not 1/sqrt(d) (Gemma)."""
     T, S, d = q.shape[-2], k.shape[-2], q.shape[-1]
     lead = math.prod(q.shape[:-2])  # batch x heads
-    scores = q @ k.transpose(-2, -1) / math.sqrt(d)  # [B, H, T, S]
-    scores = trace.record(f"{name}.scores", f"q @ k^T / sqrt({d})", scores,
-                          lead * T * S * d)
+    scores = q @ k.transpose(-2, -1)  # [B, H, T, S]
+    if scale:  # Gemma: query_pre_attn_scalar^-0.5
+        scores, what = scores * scale, f"q @ k^T * {scale:.6g}"
+    else:
+        scores, what = scores / math.sqrt(d), f"q @ k^T / sqrt({d})"
+    scores = trace.record(f"{name}.scores", what, scores, lead * T * S * d)
     if mask is not None:
         what = f"0 where key <= query position, -inf after ({start} cached)"
         mask = trace.record(f"{name}.causal_mask", what, mask)  # [T, S]
@@ -126,12 +140,14 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
 
     if config.qk_norm:  # Qwen3: each head of q, k to RMS 1, times a weight [hd]
         q = rms_norm(q, w.q_norm, config.norm_eps, trace,
-                     f"{name}.q_norm")  # [B, T, H, hd]
+                     f"{name}.q_norm", config.norm_offset)  # [B, T, H, hd]
         k = rms_norm(k, w.k_norm, config.norm_eps, trace,
-                     f"{name}.k_norm")  # [B, T, KV, hd]
+                     f"{name}.k_norm", config.norm_offset)  # [B, T, KV, hd]
 
     # Position enters here, and only into Q and K: V carries content.
     freq = "llama3-scaled freq" if config.rope_scaling else "freq"
+    if pos.base:  # Gemma 3: local and global layers turn at different bases
+        freq += f" (base {pos.base:g})"
     q = apply_rope(q, pos.cos, pos.sin, trace,
                    f"{name}.rope_q", freq)  # [B, T, H, hd]
     k = apply_rope(k, pos.cos, pos.sin, trace,
@@ -158,8 +174,8 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
     v_exp = repeat_kv(v_all.transpose(1, 2), config.n_rep)  # [B, H, S, hd]
     v_exp = trace.record(f"{name}.v_expanded", f"GQA: {KV} -> {H} heads", v_exp)
 
-    out = attend(q, k_exp, v_exp, pos.mask, trace, name,
-                 start, pos.window)  # [B, H, T, hd]
+    out = attend(q, k_exp, v_exp, pos.mask, trace, name, start, pos.window,
+                 config.attn_scale)  # [B, H, T, hd]
 
     out = out.transpose(1, 2).reshape(B, T, H * hd)  # [B, T, H*hd]
     out = trace.record(f"{name}.merged", "heads back side by side", out)

@@ -38,13 +38,21 @@ class Config:
     eos_id: int = 2
     head_dim: int = 0  # 0 means hidden_size // n_heads
     # What today's families change (each default is Llama 2's, so a Llama config is untouched):
-    family: str = "llama"  # the HF model_type: llama, mistral, qwen2, qwen3
+    family: str = "llama"  # the HF model_type: llama, mistral, qwen2, qwen3, gemma3_text
     qkv_bias: bool = False  # Qwen2: a bias vector added to Q, K and V
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of Q and K, before RoPE
     sliding_window: int = 0  # Mistral: a query sees only its last W keys (0: all earlier ones)
     # Llama 3.x: HF's rope_scaling as sorted (key, value) pairs, e.g. (("factor", 32.0), ...,
     # ("rope_type", "llama3")); () is plain RoPE
     rope_scaling: tuple = ()
+    # Gemma 3's differences from Llama 2; each default is Llama 2's
+    norm_offset: bool = False  # RMSNorm multiplies by (1 + weight): weights are stored around 0
+    sandwich_norm: bool = False  # a norm after each sublayer too, before its residual add
+    mlp_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: bool = False  # embedding rows times sqrt(hidden_size)
+    attn_scale: float = 0.0  # scores = q @ k^T * attn_scale; 0 means 1 / sqrt(head_dim)
+    layer_types: tuple = ()  # per layer "full" or "sliding"; () = every layer alike
+    rope_local_theta: float = 0.0  # RoPE base of the sliding layers; 0 means rope_theta
 
     def __post_init__(self):
         problems = []
@@ -61,6 +69,20 @@ class Config:
                 problems.append(f"{field}={value!r} must be a finite number")
             elif value < 0 or (value == 0 and rule == "positive"):
                 problems.append(f"{field}={value:g} must be {rule}")
+        for field in ("attn_scale", "rope_local_theta"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0:
+                problems.append(f"{field}={value!r} must be a finite number >= 0")
+        if self.mlp_act not in MLP_ACTS:
+            problems.append(f"mlp_act={self.mlp_act!r} must be one of {', '.join(MLP_ACTS)}")
+        types = self.layer_types
+        if not isinstance(types, tuple) or any(t not in ("full", "sliding") for t in types):
+            problems.append(f"layer_types={types!r} must be a tuple of 'full' or 'sliding'")
+        elif types and len(types) != self.n_layers:
+            problems.append(f"layer_types names {len(types)} layers, n_layers={self.n_layers}")
+        elif "sliding" in types and not self.sliding_window:
+            problems.append("layer_types has sliding layers but sliding_window=0: give its width")
         if isinstance(self.rope_scaling, dict):  # as HF writes it: keep it hashable, in order
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
         if problems:  # before anything below divides by a head count
@@ -91,6 +113,13 @@ class Config:
     def kv_size(self) -> int:
         """Width of K and V before the head reshape: n_kv_heads * head_dim (256 for TinyLlama)."""
         return self.n_kv_heads * self.head_dim
+
+    def is_sliding(self, layer: int) -> bool:
+        """Does this layer attend through a sliding window? Gemma 3 names each layer's kind;
+        without `layer_types`, a window (Mistral) applies to every layer."""
+        if self.layer_types:
+            return self.layer_types[layer] == "sliding"
+        return self.sliding_window > 0
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
@@ -128,8 +157,14 @@ class Config:
                                 f"it is not a Hugging Face config.json")
         refuse_unsupported(c, where)  # first: it names what a refused model_type lacks
         family = c.get("model_type", "llama")
+        if family == "gemma3":
+            raise LlmTraceError(f"{where}: model_type 'gemma3' (Gemma 3 with its vision tower) is "
+                                f"not implemented: use a text-only Gemma 3 (gemma3_text, "
+                                f"e.g. gemma-3-270m or gemma-3-1b)")
         if family not in FAMILIES:
             raise LlmTraceError(f"model_type {family!r} is not a Llama-family model: {COMPUTED}")
+        if family == "gemma3_text":  # what the file leaves out, Gemma3TextConfig's defaults give
+            c = {**GEMMA3_DEFAULTS, **c}
 
         def get(key, kind, default=None):
             value = c.get(key, default)
@@ -149,7 +184,7 @@ class Config:
         eos = c.get("eos_token_id", 2)
         if isinstance(eos, list):
             eos = eos[0] if eos else 2
-        return cls(
+        fields = dict(
             name=name or c.get("_name_or_path") or "hf-model",
             vocab_size=get("vocab_size", int),
             hidden_size=get("hidden_size", int),
@@ -170,6 +205,9 @@ class Config:
             rope_scaling=rope_scaling_of(c, where),
             **FAMILIES[family][1],  # what the family always has: Qwen2's bias, Qwen3's norm
         )
+        if family == "gemma3_text":
+            fields.update(gemma3_switches(c, where, get))
+        return cls(**fields)
 
     def to_hf(self) -> dict:
         """The `config.json` HF's model class of this family (`LlamaForCausalLM`...) needs for
@@ -183,7 +221,7 @@ class Config:
             raise LlmTraceError(f"config {self.name!r}: {switches} is not what HF's "
                                 f"{architecture} computes: set family to the model_type "
                                 f"that has it")
-        if self.sliding_window and self.family != "mistral":
+        if self.sliding_window and self.family not in ("mistral", "gemma3_text"):
             raise LlmTraceError(f"config {self.name!r}: sliding_window={self.sliding_window} "
                                 f"with family {self.family!r}: only Mistral's is written")
         extra = {}
@@ -191,7 +229,7 @@ class Config:
             extra["rope_scaling"] = dict(self.rope_scaling)
         if self.family == "mistral":
             extra["sliding_window"] = self.sliding_window or None
-        return {
+        hf = {
             "architectures": [architecture],
             "model_type": self.family,
             **extra,
@@ -213,6 +251,9 @@ class Config:
             "mlp_bias": False,
             "torch_dtype": "float32",
         }
+        if self.family == "gemma3_text":
+            hf = gemma3_to_hf(self, hf)
+        return hf
 
     @classmethod
     def from_gguf(cls, fields: dict, name: str = "gguf-model") -> Config:
@@ -270,14 +311,16 @@ KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false"}
 FAMILIES = {"llama": ("LlamaForCausalLM", {}),
             "mistral": ("MistralForCausalLM", {}),
             "qwen2": ("Qwen2ForCausalLM", {"qkv_bias": True}),
-            "qwen3": ("Qwen3ForCausalLM", {"qk_norm": True})}
-COMPUTED = "llmtrace computes dense Llama-family models (Llama 2 and 3, Mistral, Qwen2, Qwen3)"
+            "qwen3": ("Qwen3ForCausalLM", {"qk_norm": True}),
+            "gemma3_text": ("Gemma3ForCausalLM", {"qk_norm": True})}
+COMPUTED = "llmtrace computes dense Llama-family models (Llama 2 and 3, Mistral, Qwen2, Qwen3, Gemma 3)"
 # what each kind of model that llmtrace does not compute is called, and what it does instead
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "dbrx",
        "granitemoe", "phimoe", "jamba", "llama4", "gpt_oss")
 MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 SOFTCAP = ("gemma2",)
 LLAMA3_KEYS = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
+MLP_ACTS = ("silu", "gelu_tanh")
 
 
 def read_json(path: Path, what: str):
@@ -318,6 +361,68 @@ def rope_scaling_of(c: dict, where: str) -> tuple:
                             f"{', '.join(LLAMA3_KEYS)} (high above low), got "
                             f"{ {k: values[k] for k in bad} or values }")
     return tuple(sorted({**values, "rope_type": "llama3"}.items()))
+# Gemma3TextConfig's defaults (transformers 5.x) for the settings a config.json may leave out
+GEMMA3_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "bos_token_id": 2,
+                   "eos_token_id": 1, "head_dim": 256, "max_position_embeddings": 131072,
+                   "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                   "hidden_activation": "gelu_pytorch_tanh"}
+HF_LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def gemma3_switches(c: dict, where: str, get) -> dict:
+    """Gemma 3's switches from its config.json, read as transformers' Gemma3TextConfig reads them:
+    the kind of each layer (`layer_types`, or in older files every `sliding_window_pattern`-th
+    layer full), and a RoPE base per kind (`rope_parameters` keyed by layer kind in
+    transformers 5.x; `rope_theta` and `rope_local_base_freq` in older files)."""
+    if c.get("use_bidirectional_attention"):
+        raise LlmTraceError(f"{where}: use_bidirectional_attention=true (tokens see later ones) "
+                            f"is not implemented: llmtrace computes causal decoders")
+    if c["hidden_activation"] != "gelu_pytorch_tanh":
+        raise LlmTraceError(f"{where}: hidden_activation {c['hidden_activation']!r} is not "
+                            f"implemented: Gemma 3's MLP is GeGLU with gelu_pytorch_tanh")
+    n, kinds = get("num_hidden_layers", int), c.get("layer_types")
+    if kinds is None:
+        period = get("sliding_window_pattern", int, 6)
+        kinds = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                 for i in range(n)]
+    if not isinstance(kinds, list) or any(k not in HF_LAYER_KINDS for k in kinds):
+        raise LlmTraceError(f"{where}: layer_types must list 'full_attention' or "
+                            f"'sliding_attention' per layer, got {kinds!r:.80}")
+    rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
+    full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    for kind, params in (("full_attention", full), ("sliding_attention", local)):
+        if params.get("rope_type", "default") != "default":
+            raise LlmTraceError(f"{where}: rope_parameters of {kind} have rope_type "
+                                f"{params['rope_type']!r}, not implemented for Gemma 3: "
+                                f"only plain RoPE (as gemma-3-270m and gemma-3-1b use)")
+    if c.get("rope_scaling"):  # older files: it scales the full-attention layers' RoPE
+        raise LlmTraceError(f"{where}: rope_scaling {c['rope_scaling']!r:.60} is not "
+                            f"implemented for Gemma 3: only plain RoPE")
+    theta = full.get("rope_theta") or get("rope_theta", float, 1_000_000.0)
+    local_theta = local.get("rope_theta") or get("rope_local_base_freq", float, 10_000.0)
+    return dict(norm_offset=True, sandwich_norm=True, mlp_act="gelu_tanh", embed_scale=True,
+                sliding_window=get("sliding_window", int),
+                attn_scale=float(get("query_pre_attn_scalar", float)) ** -0.5,
+                layer_types=tuple(HF_LAYER_KINDS[k] for k in kinds),
+                rope_theta=float(theta), rope_local_theta=float(local_theta))
+
+
+def gemma3_to_hf(c: Config, hf: dict) -> dict:
+    """A Llama config.json made into Gemma3TextConfig's."""
+    for key in ("hidden_act", "mlp_bias", "rope_theta"):
+        hf.pop(key)
+    kinds = {v: k for k, v in HF_LAYER_KINDS.items()}
+    return {**hf, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": round(c.attn_scale ** -2) if c.attn_scale else c.head_dim,
+            "layer_types": [kinds[t] for t in c.layer_types or ("full",) * c.n_layers],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": c.rope_theta},
+                "sliding_attention": {"rope_type": "default",
+                                      "rope_theta": c.rope_local_theta or c.rope_theta}},
+            "sliding_window": c.sliding_window or None,
+            "final_logit_softcapping": None, "attn_logit_softcapping": None,
+            "use_bidirectional_attention": False}
 
 
 def refuse_unsupported(c: dict, where: str) -> None:
@@ -403,6 +508,15 @@ PRESETS: dict[str, dict] = {
     "mistral-7b-v0.1": dict(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32,
                             n_kv_heads=8, ffn_size=14336, max_positions=32768,
                             family="mistral", sliding_window=4096),
+    # google/gemma-3-270m config.json (every 6th layer global; a 512-token window elsewhere)
+    "gemma-3-270m": dict(vocab_size=262144, hidden_size=640, n_layers=18, n_heads=4,
+                         n_kv_heads=1, ffn_size=2048, max_positions=32768,
+                         rope_theta=1_000_000.0, norm_eps=1e-6, tied_lm_head=True, bos_id=2,
+                         eos_id=1, head_dim=256, norm_offset=True, sandwich_norm=True,
+                         mlp_act="gelu_tanh", embed_scale=True, attn_scale=256**-0.5,
+                         layer_types=(("sliding",) * 5 + ("full",)) * 3,
+                         rope_local_theta=10_000.0, sliding_window=512, qk_norm=True,
+                         family="gemma3_text"),
 }
 ALIASES = {"tinyllama": "tinyllama-1.1b", "smollm2": "smollm2-135m", "embedded": "smollm2-135m",
            "7b": "llama-2-7b", "70b": "llama-2-70b", "mistral-7b": "mistral-7b-v0.1"}
@@ -426,7 +540,13 @@ LAYER_TENSORS = {
     "v_bias": ("self_attn.v_proj.bias", "attn_v.bias"),
     "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),  # qk_norm (Qwen3)
     "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+    # Gemma 3's norms after each sublayer (`sandwich_norm`)
+    "post_attn_norm": ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+    "post_mlp_norm": ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
 }
+# With a norm after each sublayer, HF's "post_attention_layernorm" is that norm after attention,
+# and the norm before the MLP has a name of its own
+SANDWICH_HF_NAMES = {"mlp_norm": "pre_feedforward_layernorm.weight"}
 MODEL_TENSORS = {
     "embed": ("model.embed_tokens.weight", "token_embd.weight"),
     "final_norm": ("model.norm.weight", "output_norm.weight"),
@@ -434,12 +554,15 @@ MODEL_TENSORS = {
 }
 
 
-def hf_name(field: str, layer: int | None = None) -> str:
+def hf_name(field: str, layer: int | None = None, c: Config | None = None) -> str:
     """A weight's Hugging Face name: hf_name("q_proj", 3) is
-    model.layers.3.self_attn.q_proj.weight."""
+    model.layers.3.self_attn.q_proj.weight. Give the config for a name that depends on it."""
     if layer is None:
         return MODEL_TENSORS[field][0]
-    return f"model.layers.{layer}.{LAYER_TENSORS[field][0]}"
+    name = LAYER_TENSORS[field][0]
+    if c is not None and c.sandwich_norm:
+        name = SANDWICH_HF_NAMES.get(field, name)
+    return f"model.layers.{layer}.{name}"
 
 
 def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
@@ -454,9 +577,13 @@ def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
         shapes.update(q_bias=(c.n_heads * hd,), k_bias=(c.kv_size,), v_bias=(c.kv_size,))
     if c.qk_norm:  # one weight per head dimension, shared by every head
         shapes.update(q_norm=(hd,), k_norm=(hd,))
-    shapes.update({"o_proj": (D, c.n_heads * hd),
-                   "mlp_norm": (D,), "gate": (F, D), "up": (F, D), "down": (D, F),
-                   "final_norm": (D,)})
+    shapes["o_proj"] = (D, c.n_heads * hd)
+    if c.sandwich_norm:  # Gemma: a norm after attention
+        shapes["post_attn_norm"] = (D,)
+    shapes.update({"mlp_norm": (D,), "gate": (F, D), "up": (F, D), "down": (D, F)})
+    if c.sandwich_norm:  # and after the MLP
+        shapes["post_mlp_norm"] = (D,)
+    shapes["final_norm"] = (D,)
     if not c.tied_lm_head:
         shapes["lm_head"] = (V, D)
     return shapes
@@ -467,5 +594,5 @@ def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
     shapes = tensor_shapes(c)
     out = {hf_name(f): shapes[f] for f in MODEL_TENSORS if f in shapes}
     for i in range(c.n_layers):
-        out.update({hf_name(f, i): shapes[f] for f in LAYER_TENSORS if f in shapes})
+        out.update({hf_name(f, i, c): shapes[f] for f in LAYER_TENSORS if f in shapes})
     return out

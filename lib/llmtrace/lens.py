@@ -35,7 +35,9 @@ def logit_lens(model, trace, position: int = -1) -> torch.Tensor:
     check_position(position, trace.shape("tokens")[1])
     resid = torch.stack([trace[f"layers.{i}.resid_out"][0, position]
                          for i in range(c.n_layers)])  # [L, D]
-    logits = F.linear(rms_norm(resid, w.final_norm, c.norm_eps), w.lm_head)  # [L, V]
+    x = rms_norm(resid, w.final_norm, c.norm_eps,
+                 offset=c.norm_offset)  # [L, D]
+    logits = F.linear(x, w.lm_head)  # [L, V]
     return logits.softmax(-1)
 
 
@@ -55,7 +57,8 @@ def lens_grid(model, trace, token: int | None = None) -> LensGrid:
     top_ids, top_probs, token_probs = [], [], []
     for i in range(c.n_layers):
         resid = trace[f"layers.{i}.resid_out"][0]  # [T, D]
-        probs = F.linear(rms_norm(resid, w.final_norm, c.norm_eps), w.lm_head).softmax(-1)  # [T, V]
+        x = rms_norm(resid, w.final_norm, c.norm_eps, offset=c.norm_offset)  # [T, D]
+        probs = F.linear(x, w.lm_head).softmax(-1)  # [T, V]
         p, ids = probs.max(-1)  # [T] each
         top_ids.append(ids)
         top_probs.append(p)

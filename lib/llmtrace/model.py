@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from .attention import Positions, attention
 from .check import check_ids
-from .config import LAYER_TENSORS, MODEL_TENSORS, Config, expected_shapes, hf_name
+from .config import (LAYER_TENSORS, MODEL_TENSORS, Config, expected_shapes, hf_name,
+                     tensor_shapes)
 from .embed import embed
 from .errors import LlmTraceError
 from .kv_cache import KVCache
@@ -41,6 +42,8 @@ class LayerWeights:
     v_bias: torch.Tensor | None = None  # [KV*hd]
     q_norm: torch.Tensor | None = None  # [hd]     qk_norm (Qwen3)
     k_norm: torch.Tensor | None = None  # [hd]
+    post_attn_norm: torch.Tensor | None = None  # [D]  (sandwich_norm: Gemma)
+    post_mlp_norm: torch.Tensor | None = None  # [D]
 
 
 @dataclass
@@ -63,8 +66,8 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
             raise LlmTraceError(f"{source}: {name} has shape {list(sd[name].shape)} "
                                 f"but the config implies {list(shape)}: "
                                 "the checkpoint and its config.json disagree")
-    layers = [LayerWeights(**{f: sd[hf_name(f, i)] for f in LAYER_TENSORS
-                              if hf_name(f, i) in expected})
+    has = tensor_shapes(c)  # only the tensors this config has
+    layers = [LayerWeights(**{f: sd[hf_name(f, i, c)] for f in LAYER_TENSORS if f in has})
               for i in range(c.n_layers)]
     embed = sd[hf_name("embed")]
     head = embed if c.tied_lm_head else sd[hf_name("lm_head")]
@@ -75,21 +78,30 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
     """The inverse, in HF naming (used to write HF checkpoints)."""
     sd = {hf_name(f): getattr(w, f) for f in MODEL_TENSORS if f != "lm_head" or not c.tied_lm_head}
     for i, lw in enumerate(w.layers):
-        sd.update({hf_name(f, i): getattr(lw, f) for f in LAYER_TENSORS
+        sd.update({hf_name(f, i, c): getattr(lw, f) for f in LAYER_TENSORS
                    if getattr(lw, f) is not None})
     return sd
 
 
 def block(x, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE,
           name="layers.0") -> torch.Tensor:
-    """One block, pre-norm: h = x + attention(norm(x)), then h + mlp(norm(h))."""
-    eps = config.norm_eps
-    h = rms_norm(x, w.attn_norm, eps, trace, f"{name}.attn_norm")  # [B, T, D]
+    """One block, pre-norm: h = x + attention(norm(x)), then h + mlp(norm(h)).
+    sandwich_norm (Gemma): a norm after each sublayer too, before the add."""
+    eps, off = config.norm_eps, config.norm_offset
+    h = rms_norm(x, w.attn_norm, eps, trace, f"{name}.attn_norm",
+                 off)  # [B, T, D]
     h = attention(h, w, config, pos, cache, trace, f"{name}.attn")  # [B, T, D]
+    if config.sandwich_norm:
+        h = rms_norm(h, w.post_attn_norm, eps, trace, f"{name}.attn_post_norm",
+                     off)  # [B, T, D]
     x = trace.record(f"{name}.resid_mid", "x + attn(attn_norm(x))",
                      x + h)  # [B, T, D]
-    h = rms_norm(x, w.mlp_norm, eps, trace, f"{name}.mlp_norm")  # [B, T, D]
-    h = swiglu(h, w, trace, f"{name}.mlp")  # [B, T, D]
+    h = rms_norm(x, w.mlp_norm, eps, trace, f"{name}.mlp_norm",
+                 off)  # [B, T, D]
+    h = swiglu(h, w, trace, f"{name}.mlp", config.mlp_act)  # [B, T, D]
+    if config.sandwich_norm:
+        h = rms_norm(h, w.post_mlp_norm, eps, trace, f"{name}.mlp_post_norm",
+                     off)  # [B, T, D]
     return trace.record(f"{name}.resid_out", "h + mlp(mlp_norm(h))",
                         x + h)  # [B, T, D]
 
@@ -129,11 +141,15 @@ class Model:
         ids = check_ids(ids, c.vocab_size, batch=True).to(self.device)  # [B, T]
         pos = Positions.of(start, ids.shape[1], c, self.device)  # shared by every layer
 
-        x = embed(ids, w.embed, trace)  # [B, T, D]
+        x = embed(ids, w.embed, trace, c.embed_scale)  # [B, T, D]
         for i, lw in enumerate(w.layers):
             layer_cache = None if cache is None else cache[i]
-            x = block(x, lw, c, pos, layer_cache, trace, f"layers.{i}")  # [B, T, D]
-        x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm")  # [B, T, D]
+            # Gemma 3: a sliding layer has its own positions (window, RoPE base)
+            layer_pos = pos.local if pos.local and c.is_sliding(i) else pos
+            x = block(x, lw, c, layer_pos, layer_cache, trace,
+                      f"layers.{i}")  # [B, T, D]
+        x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm",
+                     c.norm_offset)  # [B, T, D]
         logits = F.linear(x, w.lm_head)  # [B, T, V]
         head = "tied: embed_tokens" if c.tied_lm_head else "lm_head"
         macs = x.shape[0] * x.shape[1] * c.hidden_size * c.vocab_size
@@ -223,20 +239,27 @@ def estimate_trace_bytes(config: Config, T: int, S: int | None = None) -> int:
                  + T * S * (3 * H + 1))
     per_layer += (T * (q + 2 * kv) * config.qkv_bias  # the biased projections
                   + T * (q + kv + H + config.n_kv_heads) * config.qk_norm  # norms, mean_sq
-                  + T * S * bool(config.sliding_window))  # the window's mask
+                  + 2 * T * (D + 1) * config.sandwich_norm)  # Gemma's norms after sublayers
+    windows = sum(map(config.is_sliding, range(config.n_layers)))  # layers with a window mask
     outside = T * (2 * D + 1 + V) + 2 * T  # embed, final norm, lm_head; int64 token ids
-    return 4 * (config.n_layers * per_layer + outside)
+    outside += T * D * config.embed_scale  # Gemma's scaled embedding
+    return 4 * (config.n_layers * per_layer + windows * T * S + outside)
 
 
 def trace_bytes(config: Config, trace: Trace, T: int, decode_steps: int = 0) -> int:
     """Bytes the kept values of a prefill of T positions and `decode_steps` one-token steps would
     hold. Every value: `estimate_trace_bytes`. A filter: counted from a shapes-only pass of one
-    layer on the meta device (each layer records the same shapes). Each decode step is counted as
-    the last, the largest; views as if they were copies: an upper bound."""
+    layer on the meta device (each layer records the same shapes; Gemma 3: one layer of each
+    kind). Each decode step is counted as the last, the largest; views as if they were copies:
+    an upper bound."""
     if trace.keeps_all:  # every value: the closed form, no pass needed
         return estimate_trace_bytes(config, T) + decode_steps * estimate_trace_bytes(
             config, 1, T + decode_steps)
-    one = meta_model(config.replace(n_layers=1))
+    kinds = tuple(dict.fromkeys(config.layer_types))  # () when every layer is alike
+    one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds))
+    # the layers each layer of `one` stands for
+    like = [[i for i in range(config.n_layers) if not kinds or config.layer_types[i] == kind]
+            for kind in kinds or [None]]
 
     def kept(ids, cache=None, start=0) -> int:
         t = Trace(keep_values=False)
@@ -244,9 +267,9 @@ def trace_bytes(config: Config, trace: Trace, T: int, decode_steps: int = 0) -> 
         total = 0
         for r in t:
             size = BYTES.get(r.dtype, 4) * math.prod(r.shape)
-            names = ([r.name.replace("layers.0.", f"layers.{i}.", 1)
-                      for i in range(config.n_layers)] if r.name.startswith("layers.0.")
-                     else [r.name])
+            j = int(r.name.split(".")[1]) if r.name.startswith("layers.") else None
+            names = ([r.name.replace(f"layers.{j}.", f"layers.{i}.", 1) for i in like[j]]
+                     if j is not None else [r.name])
             total += size * sum(trace.keeps(n) for n in names)
         return total
 

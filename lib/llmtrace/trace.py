@@ -176,10 +176,18 @@ class Trace:
             shape = _fmt_shape(r.shape) + ("" if r.dtype == common else f" {r.dtype}")
             lines.append((r.name, r.op, shape, f"{r.macs:,}" if r.macs else ""))
             if folded == 0 and layers is not None and r.name == f"layers.{layers - 1}.resid_out":
-                n_layers = len({x.name.split(".")[1] for x in rows if x.name.startswith("layers.")})
+                ops: dict[str, set] = {}  # layer -> the names of its ops
+                for x in rows:
+                    if x.name.startswith("layers."):
+                        _, i, op = x.name.split(".", 2)
+                        ops.setdefault(i, set()).add(op)
+                n_layers = len(ops)
                 if n_layers > layers:
-                    lines.append((f"layers.{layers}..{n_layers - 1}",
-                                  f"same ops, {n_layers - layers} more layers", "", ""))
+                    # Gemma 3's full and sliding layers differ: say which ops some lack
+                    some = sorted(set.union(*ops.values()) - set.intersection(*ops.values()))
+                    what = (f"{n_layers - layers} more layers; {', '.join(some)} in some only"
+                            if some else f"same ops, {n_layers - layers} more layers")
+                    lines.append((f"layers.{layers}..{n_layers - 1}", what, "", ""))
         table = format_rows(("name", "op", "shape", "MACs"), lines, wrap=1)
         if common is None:
             return table
