@@ -49,13 +49,18 @@ class TraceDiff:
     reshaped: list[tuple[Record, Record]]  # in both, another shape
 
     def lines(self, shapes: bool = True, width: int = 80) -> list[str]:
-        """The difference as printed lines: + added, - removed, ~ computed another way, and
-        (shapes=True) the shapes that changed."""
-        out = [f"+ {_short(r.name, 22)} {_fit(r.op, width - 25)}" for r in self.added]
-        out += [f"- {_short(r.name, 22)} {_fit(r.op, width - 25)}" for r in self.removed]
+        """The difference as printed lines: + added, - removed, ~ computed another way (then
+        what it was), and (shapes=True) the shapes that changed."""
+        named = self.added + self.removed + [b for _, b in self.recomputed]
+        w = max((len(_short(r.name, 0)) for r in named), default=0)
+
+        def line(mark, name, op):
+            return textwrap.wrap(op, width, initial_indent=f"{mark} {name:{w}} ",
+                                 subsequent_indent=" " * (w + 3))
+        out = [s for r in self.added for s in line("+", _short(r.name, 0), r.op)]
+        out += [s for r in self.removed for s in line("-", _short(r.name, 0), r.op)]
         for a, b in self.recomputed:
-            out += [f"~ {_short(b.name, 22)} {_fit(b.op, width - 25)}",
-                    f"  {'was':>22} {_fit(a.op, width - 25)}"]
+            out += line("~", _short(b.name, 0), b.op) + line(" ", "", "was " + a.op)
         if shapes:
             out += self.shape_lines(width)
         return out
@@ -95,6 +100,3 @@ def _short(name: str, width: int) -> str:
     name = re.sub(r"^layers\.\d+\.", "", name)
     return f"{name:{width}}"
 
-
-def _fit(text: str, width: int) -> str:
-    return text if len(text) <= width else text[:width - 1] + "…"

@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -1115,8 +1116,10 @@ def _case_window_mask(model) -> Case:
     from .trace import Trace
 
     c = model.config
-    every = {"layer_types": ()} if getattr(c, "layer_types", ()) else {}  # every layer slides
-    windowed = Model(c.replace(sliding_window=WINDOW, **every), model.weights, model.tokenizer)
+    every = {"layer_types": ()} if c.layer_types else {}  # every layer slides
+    first = dataclasses.replace(model.weights, layers=model.weights.layers[:1])  # layer 0 alone
+    windowed = Model(c.replace(sliding_window=WINDOW, n_layers=1, **every), first,
+                     model.tokenizer)
     ids = model.encode(PROMPT)  # [1, T]
     T, name = ids.shape[1], "layers.0.attn.window_mask"
     cache = windowed.new_cache(T + 1)
