@@ -43,15 +43,17 @@ def test_chapter_runs_on_a_tiny_random_checkpoint(path, tiny_dir, monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_gemma3_dir(tmp_path_factory):
-    """A tiny random Gemma 3 checkpoint (test_gemma3's: 4 layers, local and global) with
-    TinyLlama's tokenizer beside it, as the Llama one has."""
-    from test_gemma3 import make_gemma3_checkpoint
+    """A tiny random Gemma 3 checkpoint (test_gemma3's: 4 layers, local and global, a window
+    of 4) with TinyLlama's tokenizer beside it, as the Llama one has. Its scores are scaled by
+    1/sqrt(head_dim), as Gemma-3-270M's are (query_pre_attn_scalar = head_dim): the chapters'
+    exercises define attention's scale so."""
+    from test_gemma3 import TINY_GEMMA3, make_gemma3_checkpoint
 
     from llmtrace.weights.tokenizer_llama import build
 
     d = tmp_path_factory.mktemp("gemma3") / "tiny-gemma3"
     d.mkdir()
-    make_gemma3_checkpoint(d)
+    make_gemma3_checkpoint(d, query_pre_attn_scalar=TINY_GEMMA3["head_dim"])
     shutil.copy(build(fetch=False), d / "tokenizer.model")
     (d / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True}))
     return d
