@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from llmtrace import Config, generate, load_model, meta_model
+from llmtrace import Config, LlmTraceError, generate, load_model, meta_model
 from llmtrace.attention import causal_mask, window_mask
 from llmtrace.model import Model, estimate_trace_bytes, trace_bytes
 from llmtrace.rope import rope_frequencies
@@ -125,6 +125,15 @@ def test_config_round_trip_through_hf(f):
     assert Config.from_hf(back.to_dict(), name="x") == c
 
 
+def test_configs_hf_cannot_compute_are_refused():
+    with pytest.raises(LlmTraceError, match=r"rope_scaling=\{'rope_type': 'yarn'.* is not Llama"):
+        Config.from_name("llama-3.2-1b").replace(rope_scaling={"rope_type": "yarn"})
+    with pytest.raises(LlmTraceError, match="is not what HF's LlamaForCausalLM computes"):
+        Config.from_name("tinyllama").replace(qk_norm=True).to_hf()
+    with pytest.raises(LlmTraceError, match="sliding_window=8 with family 'qwen3'"):
+        Config.from_name("qwen3-0.6b").replace(sliding_window=8).to_hf()
+
+
 def make_config_json(f: str) -> dict:
     from tiny_checkpoint import TINY
 
@@ -157,3 +166,20 @@ def test_a_directory_with_only_tokenizer_json_loads(tmp_path):
     assert ids == [3, 4, 5, 6, 7]
     assert model.tokenizer.decode(ids) == "The capital of France is"
     assert generate(model, "The capital of France is", 2, trace=False).positions_processed == 6
+
+
+def test_tokenizer_json_adds_bos_as_its_post_processor_says(tmp_path):
+    """Llama 3's tokenizer.json adds <|begin_of_text|> in its post-processor and its settings
+    do not say add_bos_token: HF adds it, so does llmtrace."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    d = make_tiny_checkpoint(tmp_path / "tiny-llama3", family="llama3")
+    (d / "tokenizer.model").unlink()
+    (d / "tokenizer_config.json").unlink()
+    words = "<unk> <s> </s> The capital".split()
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", 1)])
+    tok.save(str(d / "tokenizer.json"))
+    assert load_model(d).encode("The capital")[0].tolist() == [1, 3, 4]

@@ -3,6 +3,8 @@ at test time from Gemma3TextConfig: local (sliding-window) and global layers wit
 a window shorter than the prompt, head_dim != hidden / heads, query_pre_attn_scalar != head_dim.
 Then the Gemma-3-270M preset's parameter count against HF's class on the meta device."""
 
+import time
+
 import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
@@ -137,8 +139,12 @@ def test_gemma_3_270m_parameters_match_hf_meta():
 
 
 def test_gemma_3_270m_traces_on_meta():
+    """Prefill of 6 tokens and one decode step, every layer, well under a second a layer; the
+    window mask only where the published config puts a sliding layer."""
     c = Config.from_name("gemma-3-270m")
+    began = time.perf_counter()
     prefill, step = trace_shapes(c, 6, decode_steps=1)
+    assert time.perf_counter() - began < 0.5 * c.n_layers
     assert prefill.shape("layers.0.attn.q") == (1, 6, 4, 256)  # 4 x 256 = 1024 != hidden 640
     assert step.shape("layers.5.attn.scores") == (1, 4, 1, 7)
     kinds = ["sliding" if f"layers.{i}.attn.window_mask" in prefill else "full"
@@ -177,3 +183,27 @@ def test_what_is_not_computed_is_refused(change, says):
     hf = {**Config.from_name("gemma-3-270m").to_hf(), **change}
     with pytest.raises(LlmTraceError, match=says):
         Config.from_hf(hf)
+
+
+@pytest.mark.parametrize("preset, change, says", [
+    ("tinyllama", {"norm_offset": True}, "norm_offset set with family 'llama'"),
+    ("gemma-3-270m", {"embed_scale": False}, "Gemma3ForCausalLM always computes"),
+])
+def test_to_hf_writes_gemma_switches_only_as_gemma(preset, change, says):
+    with pytest.raises(LlmTraceError, match=says):
+        Config.from_name(preset).replace(**change).to_hf()
+
+
+@torch.inference_mode()
+def test_written_back_hf_reads_the_same_model(gemma, tmp_path):
+    """save_hf writes Gemma's names (pre_feedforward_layernorm...) and config.json: HF's class
+    loads them and computes the same logits."""
+    from llmtrace.model import state_dict_from_weights
+    from llmtrace.weights.hf import save_hf
+
+    model, hf = gemma
+    save_hf(tmp_path, model.config, state_dict_from_weights(model.config, model.weights))
+    again = Gemma3ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager",
+                                              dtype=torch.float32).eval()
+    ids = prompt_ids()
+    assert torch.equal(again(ids).logits, hf(ids).logits)

@@ -85,6 +85,10 @@ class Config:
             problems.append("layer_types has sliding layers but sliding_window=0: give its width")
         if isinstance(self.rope_scaling, dict):  # as HF writes it: keep it hashable, in order
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        scaling = dict(self.rope_scaling)
+        if scaling and (scaling.get("rope_type") != "llama3" or set(LLAMA3_KEYS) - set(scaling)):
+            problems.append(f"rope_scaling={scaling} is not Llama 3's (rope_type 'llama3' "
+                            f"and {', '.join(LLAMA3_KEYS)})")
         if problems:  # before anything below divides by a head count
             raise LlmTraceError(f"config {self.name!r}: " + "; ".join(problems))
         if self.head_dim == 0:
@@ -221,6 +225,7 @@ class Config:
             raise LlmTraceError(f"config {self.name!r}: {switches} is not what HF's "
                                 f"{architecture} computes: set family to the model_type "
                                 f"that has it")
+        check_gemma3_switches(self)
         if self.sliding_window and self.family not in ("mistral", "gemma3_text"):
             raise LlmTraceError(f"config {self.name!r}: sliding_window={self.sliding_window} "
                                 f"with family {self.family!r}: only Mistral's is written")
@@ -313,8 +318,9 @@ FAMILIES = {"llama": ("LlamaForCausalLM", {}),
             "qwen2": ("Qwen2ForCausalLM", {"qkv_bias": True}),
             "qwen3": ("Qwen3ForCausalLM", {"qk_norm": True}),
             "gemma3_text": ("Gemma3ForCausalLM", {"qk_norm": True})}
-COMPUTED = "llmtrace computes dense Llama-family models (Llama 2 and 3, Mistral, Qwen2, Qwen3, Gemma 3)"
-# what each kind of model that llmtrace does not compute is called, and what it does instead
+COMPUTED = ("llmtrace computes dense Llama-family models "
+            "(Llama 2 and 3, Mistral, Qwen2, Qwen3, Gemma 3)")
+# model_types refused by name, for what they compute instead of a dense Llama block
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "dbrx",
        "granitemoe", "phimoe", "jamba", "llama4", "gpt_oss")
 MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
@@ -361,12 +367,17 @@ def rope_scaling_of(c: dict, where: str) -> tuple:
                             f"{', '.join(LLAMA3_KEYS)} (high above low), got "
                             f"{ {k: values[k] for k in bad} or values }")
     return tuple(sorted({**values, "rope_type": "llama3"}.items()))
+
+
 # Gemma3TextConfig's defaults (transformers 5.x) for the settings a config.json may leave out
 GEMMA3_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "bos_token_id": 2,
                    "eos_token_id": 1, "head_dim": 256, "max_position_embeddings": 131072,
                    "query_pre_attn_scalar": 256, "sliding_window": 4096,
                    "hidden_activation": "gelu_pytorch_tanh"}
 HF_LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
+# what Gemma3ForCausalLM always computes; the other Gemma switches vary by model
+GEMMA3_FIXED = dict(norm_offset=True, sandwich_norm=True, mlp_act="gelu_tanh", embed_scale=True)
+GEMMA3_SWITCHES = (*GEMMA3_FIXED, "attn_scale", "layer_types", "rope_local_theta")
 
 
 def gemma3_switches(c: dict, where: str, get) -> dict:
@@ -400,11 +411,23 @@ def gemma3_switches(c: dict, where: str, get) -> dict:
                             f"implemented for Gemma 3: only plain RoPE")
     theta = full.get("rope_theta") or get("rope_theta", float, 1_000_000.0)
     local_theta = local.get("rope_theta") or get("rope_local_base_freq", float, 10_000.0)
-    return dict(norm_offset=True, sandwich_norm=True, mlp_act="gelu_tanh", embed_scale=True,
-                sliding_window=get("sliding_window", int),
+    return dict(**GEMMA3_FIXED, sliding_window=get("sliding_window", int),
                 attn_scale=float(get("query_pre_attn_scalar", float)) ** -0.5,
                 layer_types=tuple(HF_LAYER_KINDS[k] for k in kinds),
                 rope_theta=float(theta), rope_local_theta=float(local_theta))
+
+
+def check_gemma3_switches(c: Config) -> None:
+    """Gemma 3's switches are written only as Gemma 3, and Gemma 3 only with all it computes."""
+    if c.family != "gemma3_text":
+        on = [k for k in GEMMA3_SWITCHES if getattr(c, k) != Config.__dataclass_fields__[k].default]
+        if on:
+            raise LlmTraceError(f"config {c.name!r}: {', '.join(on)} set with family "
+                                f"{c.family!r}: only Gemma 3's HF class computes them, "
+                                f"set family to gemma3_text")
+    elif {k: getattr(c, k) for k in GEMMA3_FIXED} != GEMMA3_FIXED:
+        raise LlmTraceError(f"config {c.name!r}: HF's Gemma3ForCausalLM always computes "
+                            f"{GEMMA3_FIXED}: set those switches so, or another family")
 
 
 def gemma3_to_hf(c: Config, hf: dict) -> dict:

@@ -15,8 +15,7 @@ import torch.nn.functional as F
 
 from .attention import Positions, attention
 from .check import check_ids
-from .config import (LAYER_TENSORS, MODEL_TENSORS, Config, expected_shapes, hf_name,
-                     tensor_shapes)
+from .config import LAYER_TENSORS, MODEL_TENSORS, Config, expected_shapes, hf_name
 from .embed import embed
 from .errors import LlmTraceError
 from .kv_cache import KVCache
@@ -66,8 +65,8 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
             raise LlmTraceError(f"{source}: {name} has shape {list(sd[name].shape)} "
                                 f"but the config implies {list(shape)}: "
                                 "the checkpoint and its config.json disagree")
-    has = tensor_shapes(c)  # only the tensors this config has
-    layers = [LayerWeights(**{f: sd[hf_name(f, i, c)] for f in LAYER_TENSORS if f in has})
+    layers = [LayerWeights(**{f: sd[hf_name(f, i, c)] for f in LAYER_TENSORS
+                              if hf_name(f, i, c) in expected})
               for i in range(c.n_layers)]
     embed = sd[hf_name("embed")]
     head = embed if c.tied_lm_head else sd[hf_name("lm_head")]

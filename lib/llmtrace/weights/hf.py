@@ -79,6 +79,9 @@ def load_tokenizer(d: Path, config: Config):
         elif (d / "tokenizer.json").is_file():
             tok = HFTokenizer.from_file(d / "tokenizer.json", config.bos_id, config.eos_id,
                                         add_bos=bool(add_bos))
+            if add_bos is None:  # as HF does: BOS if tokenizer.json's post-processor adds it
+                tok.add_bos = tok.tok.encode("a").ids[:1] == [config.bos_id] != \
+                    tok.tok.encode("a", add_special_tokens=False).ids[:1]
     except Exception as e:  # sentencepiece and tokenizers raise their own kinds for a corrupt file
         first = first_line(e)[:120]
         raise LlmTraceError(f"{d}: the tokenizer file cannot be read ({first}): "
