@@ -357,3 +357,25 @@ def _plotly_to_matplotlib(fig, plt, np):
         ax.invert_yaxis()
     mfig.tight_layout()
     return mfig
+
+
+def show_lines(fn, first: str, last: str | None = None) -> None:
+    """The few lines of a library function that a switch adds: from the first line that holds
+    `first` up to, not including, the next line that holds `last` (to the function's end without
+    it), read from the file when the cell runs, with their line numbers there."""
+    import textwrap
+
+    obj = inspect.unwrap(fn)
+    root = Path(llmtrace.__file__).resolve().parent
+    where = Path(inspect.getsourcefile(obj)).resolve().relative_to(root)
+    lines, top = inspect.getsourcelines(obj)
+    i = next((k for k, line in enumerate(lines) if first in line), None)
+    if i is None:
+        raise llmtrace.LlmTraceError(f"{first!r} is not in {obj.__name__}'s source: "
+                                     f"give a text one of its lines holds")
+    j = next((k for k in range(i + 1, len(lines)) if last and last in lines[k]), len(lines))
+    while j > i + 1 and not lines[j - 1].strip():  # no blank lines at the end
+        j -= 1
+    code = textwrap.dedent("".join(lines[i:j]))
+    say(f"From `llmtrace/{where}`, lines {top + i}-{top + j - 1} of `{obj.__name__}`:"
+        f"\n\n```python\n{code}```")

@@ -140,6 +140,18 @@ def count_parameters_without_norms(c):
     return c.vocab_size * c.hidden_size + c.n_layers * block + head
 
 
+def window_mask_sees_one_more(T, start, window):
+    p, j = torch.arange(start, start + T)[:, None], torch.arange(start + T)[None, :]
+    blocked = (j > p) | (j < p - window)  # should be j <= p - window
+    return torch.zeros(T, start + T).masked_fill(blocked, float("-inf"))
+
+
+def window_mask_from_zero(T, start, window):
+    p, j = torch.arange(T)[:, None], torch.arange(start + T)[None, :]  # forgets start
+    blocked = (j > p) | (j <= p - window)
+    return torch.zeros(T, start + T).masked_fill(blocked, float("-inf"))
+
+
 INF = float("-inf")
 WRONG = {
     "count_parameters": [(count_parameters_without_norms, "the norms have weights too")],
@@ -170,6 +182,8 @@ WRONG = {
     "decode_loop": [(decode_loop_forgets_position, "forgets the KV cache position"),
                     (decode_loop_without_cache, "feed only the new token")],
     "patch_country": [(lambda stream, other, pos: other, "only the country's position")],
+    "window_mask": [(window_mask_sees_one_more, "off by one"),
+                    (window_mask_from_zero, "positions are absolute")],
 }
 
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -86,6 +87,7 @@ CHAPTERS = {
     "kv_cache_step": 11,
     "decode_loop": 11,
     "patch_country": 14,
+    "window_mask": 16,
 }
 NAMES = list(CHAPTERS)
 
@@ -279,6 +281,17 @@ def patch_country(stream: torch.Tensor, other: torch.Tensor, pos: int) -> torch.
     out = stream.clone()  # the trace keeps the original: do not change it in place
     out[:, pos] = other[:, pos]
     return out
+
+
+def window_mask(T: int, start: int, window: int) -> torch.Tensor:
+    """A sliding-window layer's mask (Mistral, Gemma 3's local layers). T queries at positions
+    start .. start+T-1, over the start+T keys the cache holds, window W -> [T, start+T] float:
+    0 where query p may see key j, the causal rule and the window's, p - W < j <= p (itself
+    and the W - 1 keys before it); float('-inf') elsewhere."""
+    p = torch.arange(start, start + T)[:, None]  # [T, 1]: absolute positions
+    j = torch.arange(start + T)[None, :]  # [1, S]
+    blocked = (j > p) | (j <= p - window)  # the future, and keys W or more behind
+    return torch.zeros(T, start + T).masked_fill(blocked, float("-inf"))  # [T, S]
 
 
 SOLUTIONS = {name: globals()[name] for name in NAMES}
@@ -1163,6 +1176,57 @@ def _case_patch_country(model) -> Case:
     want = call(patch_country)
     return Case(call, want, f"the patched logits {_shape(want)}",
                 _tensor_compare(1e-4), mistakes)
+
+
+WINDOW = 3  # the window window_mask is checked with: shorter than any prompt here
+
+
+def _case_window_mask(model) -> Case:
+    """The masks the running model's layer 0 records when its config is given a window: the
+    prefill of the prompt, then one decode step reading the cache."""
+    from .model import Model
+    from .trace import Trace
+
+    c = model.config
+    every = {"layer_types": ()} if c.layer_types else {}  # every layer slides
+    first = dataclasses.replace(model.weights, layers=model.weights.layers[:1])  # layer 0 alone
+    windowed = Model(c.replace(sliding_window=WINDOW, n_layers=1, **every), first,
+                     model.tokenizer)
+    ids = model.encode(PROMPT)  # [1, T]
+    T, name = ids.shape[1], "layers.0.attn.window_mask"
+    cache = windowed.new_cache(T + 1)
+    prefill, step = Trace(names=[name]), Trace(names=[name])
+    windowed.forward(ids, prefill, cache)
+    windowed.forward(ids[:, -1:], step, cache, start=T)  # [1, 1]: any token will do
+    want = (prefill[name], step[name])  # [T, T], [1, T + 1]
+    inf = float("-inf")
+
+    def relative(T, start, W):  # query i taken to sit at position i
+        p, j = torch.arange(T)[:, None], torch.arange(start + T)[None, :]
+        return torch.zeros(T, start + T).masked_fill((j > p) | (j <= p - W), inf)
+
+    def causal_only(T, start, W):
+        return window_mask(T, start, start + T + 1)
+
+    def window_only(T, start, W):
+        p, j = torch.arange(start, start + T)[:, None], torch.arange(start + T)[None, :]
+        return torch.zeros(T, start + T).masked_fill(j <= p - W, inf)
+
+    return Case(lambda fn: (_caller(T, 0, WINDOW)(fn), _caller(1, T, WINDOW)(fn)), want,
+                f"the window masks {_shape(want[0])}, {_shape(want[1])} "
+                f"(window {WINDOW})",
+                _pair_compare(("prefill", "decode step"), 1e-6), [
+                    (causal_only, "that is the causal mask alone: keys `window` or more "
+                                  "behind the query are blocked too"),
+                    (window_only, "the future is blocked too: the window adds to the "
+                                  "causal mask"),
+                    (lambda T, s, W: window_mask(T, s, W + 1),
+                     "off by one: a query sees itself and the window - 1 keys before it, "
+                     "block j <= p - window"),
+                    (lambda T, s, W: window_mask(T, s, W - 1),
+                     "off by one: a query sees `window` keys, itself included"),
+                    (relative, "positions are absolute: query i of a pass sits at start + i, "
+                               "and the cache holds keys 0 .. start + T - 1")])
 
 
 BUILDERS = {name: globals()[f"_case_{name}"] for name in NAMES}
