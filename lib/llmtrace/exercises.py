@@ -100,11 +100,16 @@ def count_parameters(config) -> int:
     k_proj and v_proj [KV * hd, D] each, gate and up [F, D] and down [D, F]; the final norm [D];
     and the LM head [V, D], unless it is tied to the embedding (`config.tied_lm_head`: one matrix
     serves both ends). The fields: vocab_size, hidden_size, n_layers, n_heads, n_kv_heads,
-    head_dim, ffn_size, tied_lm_head."""
+    head_dim, ffn_size, tied_lm_head. Today's families add a few vectors per block
+    (chapter 16): biases on q, k, v (`qkv_bias`), q_norm and k_norm [head_dim] each
+    (`qk_norm`), and two more norms [D] after the sublayers (`sandwich_norm`)."""
     c = config
     V, D, F, L = c.vocab_size, c.hidden_size, c.ffn_size, c.n_layers
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim  # widths of Q and of K, V
     block = 2 * D + 2 * q * D + 2 * kv * D + 3 * F * D  # norms, q and o, k and v, the FFN
+    block += (q + 2 * kv) * bool(c.qkv_bias)  # Qwen2's biases on q, k, v
+    block += 2 * c.head_dim * bool(c.qk_norm)  # Qwen3's and Gemma 3's q_norm, k_norm
+    block += 2 * D * bool(c.sandwich_norm)  # Gemma 3's norms after each sublayer
     head = 0 if c.tied_lm_head else V * D
     return V * D + L * block + D + head  # embedding, the blocks, the final norm, the head
 
