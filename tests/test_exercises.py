@@ -286,3 +286,24 @@ def test_count_parameters_counts_each_familys_switches():
     for f, hf_dict, want in _hf_family_models():
         c = Config.from_hf(hf_dict, name=f)
         assert solution("count_parameters")(c) == want, f
+
+
+def test_rms_norm_check_feeds_gemmas_scaled_embedding(capsys, tmp_path):
+    """Gemma 3's layer 0 normalizes embed.scaled with the gain (1 + weight): the check must
+    feed that stream, or no correct function can pass."""
+    import shutil
+
+    from test_gemma3 import make_gemma3_checkpoint
+    from tiny_checkpoint import make_tiny_checkpoint
+
+    d = make_gemma3_checkpoint(tmp_path / "gemma3")
+    llama = make_tiny_checkpoint(tmp_path / "llama")  # its tokenizer: 32,000 ids too
+    for f in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(llama / f, d / f)
+    gemma = load_model(str(d))
+
+    def gemma_rms_norm(x, weight, eps):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + weight)
+
+    ok, line = verdict(capsys, "rms_norm", gemma_rms_norm, gemma)
+    assert ok, line

@@ -658,7 +658,8 @@ def _case_embed(model) -> Case:
 
 def _case_rms_norm(model) -> Case:
     trace, c = _trace(model), model.config
-    x, w = _stream_into(trace, 0), _layer(model, 0).attn_norm
+    x = trace["embed.scaled"] if c.embed_scale else _stream_into(trace, 0)  # Gemma
+    w = _layer(model, 0).attn_norm
     want = trace["layers.0.attn_norm"]
 
     def rsqrt_ms(x, eps):
