@@ -684,7 +684,13 @@ def _case_rms_norm(model) -> Case:
 def _rope_inputs(model):
     trace, c = _trace(model), model.config
     T = trace.shape("layers.0.attn.q")[1]
-    return torch.arange(T), c.head_dim, c.rope_theta
+    local = c.rope_local_theta and c.layer_types and c.is_sliding(0)  # Gemma 3
+    return torch.arange(T), c.head_dim, c.rope_local_theta if local else c.rope_theta
+
+
+def _rope_in(model) -> torch.Tensor:
+    """What layer 0 rotates: q, or q_norm where the family normalizes it (Qwen3, Gemma 3)."""
+    return _trace(model)["layers.0.attn.q_norm" if model.config.qk_norm else "layers.0.attn.q"]
 
 
 def _case_rope_cos_sin(model) -> Case:
@@ -692,7 +698,7 @@ def _case_rope_cos_sin(model) -> Case:
     positions, hd, theta = _rope_inputs(model)
     want = rope_cos_sin(positions, hd, theta)
     # the reference must turn the recorded q into the recorded rope_q, or the check is wrong
-    made = rope_rotate(trace["layers.0.attn.q"], *want)
+    made = rope_rotate(_rope_in(model), *want)
     problem = tensor_diff(made, trace["layers.0.attn.rope_q"], 1e-5)
     if problem:
         raise LlmTraceError(f"this model's RoPE is not the plain formula ({problem}): "
@@ -727,9 +733,11 @@ def _case_rope_cos_sin(model) -> Case:
 
 
 def _case_rope_rotate(model) -> Case:
+    from .rope import rope_cos_sin as model_cos_sin  # with Llama 3's rope_scaling
+
     trace = _trace(model)
-    cos, sin = rope_cos_sin(*_rope_inputs(model))
-    x, want = trace["layers.0.attn.q"], trace["layers.0.attn.rope_q"]
+    cos, sin = model_cos_sin(*_rope_inputs(model), model.config.rope_scaling)
+    x, want = _rope_in(model), trace["layers.0.attn.rope_q"]
 
     def adjacent(x, cos, sin):
         half = x.shape[-1] // 2
