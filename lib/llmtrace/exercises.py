@@ -100,11 +100,16 @@ def count_parameters(config) -> int:
     k_proj and v_proj [KV * hd, D] each, gate and up [F, D] and down [D, F]; the final norm [D];
     and the LM head [V, D], unless it is tied to the embedding (`config.tied_lm_head`: one matrix
     serves both ends). The fields: vocab_size, hidden_size, n_layers, n_heads, n_kv_heads,
-    head_dim, ffn_size, tied_lm_head."""
+    head_dim, ffn_size, tied_lm_head. Today's families add a few vectors per block
+    (chapter 16): biases on q, k, v (`qkv_bias`), q_norm and k_norm [head_dim] each
+    (`qk_norm`), and two more norms [D] after the sublayers (`sandwich_norm`)."""
     c = config
     V, D, F, L = c.vocab_size, c.hidden_size, c.ffn_size, c.n_layers
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim  # widths of Q and of K, V
     block = 2 * D + 2 * q * D + 2 * kv * D + 3 * F * D  # norms, q and o, k and v, the FFN
+    block += (q + 2 * kv) * bool(c.qkv_bias)  # Qwen2's biases on q, k, v
+    block += 2 * c.head_dim * bool(c.qk_norm)  # Qwen3's and Gemma 3's q_norm, k_norm
+    block += 2 * D * bool(c.sandwich_norm)  # Gemma 3's norms after each sublayer
     head = 0 if c.tied_lm_head else V * D
     return V * D + L * block + D + head  # embedding, the blocks, the final norm, the head
 
@@ -653,7 +658,8 @@ def _case_embed(model) -> Case:
 
 def _case_rms_norm(model) -> Case:
     trace, c = _trace(model), model.config
-    x, w = _stream_into(trace, 0), _layer(model, 0).attn_norm
+    x = trace["embed.scaled"] if c.embed_scale else _stream_into(trace, 0)  # Gemma
+    w = _layer(model, 0).attn_norm
     want = trace["layers.0.attn_norm"]
 
     def rsqrt_ms(x, eps):
@@ -678,7 +684,13 @@ def _case_rms_norm(model) -> Case:
 def _rope_inputs(model):
     trace, c = _trace(model), model.config
     T = trace.shape("layers.0.attn.q")[1]
-    return torch.arange(T), c.head_dim, c.rope_theta
+    local = c.rope_local_theta and c.layer_types and c.is_sliding(0)  # Gemma 3
+    return torch.arange(T), c.head_dim, c.rope_local_theta if local else c.rope_theta
+
+
+def _rope_in(model) -> torch.Tensor:
+    """What layer 0 rotates: q, or q_norm where the family normalizes it (Qwen3, Gemma 3)."""
+    return _trace(model)["layers.0.attn.q_norm" if model.config.qk_norm else "layers.0.attn.q"]
 
 
 def _case_rope_cos_sin(model) -> Case:
@@ -686,7 +698,7 @@ def _case_rope_cos_sin(model) -> Case:
     positions, hd, theta = _rope_inputs(model)
     want = rope_cos_sin(positions, hd, theta)
     # the reference must turn the recorded q into the recorded rope_q, or the check is wrong
-    made = rope_rotate(trace["layers.0.attn.q"], *want)
+    made = rope_rotate(_rope_in(model), *want)
     problem = tensor_diff(made, trace["layers.0.attn.rope_q"], 1e-5)
     if problem:
         raise LlmTraceError(f"this model's RoPE is not the plain formula ({problem}): "
@@ -721,9 +733,11 @@ def _case_rope_cos_sin(model) -> Case:
 
 
 def _case_rope_rotate(model) -> Case:
+    from .rope import rope_cos_sin as model_cos_sin  # with Llama 3's rope_scaling
+
     trace = _trace(model)
-    cos, sin = rope_cos_sin(*_rope_inputs(model))
-    x, want = trace["layers.0.attn.q"], trace["layers.0.attn.rope_q"]
+    cos, sin = model_cos_sin(*_rope_inputs(model), model.config.rope_scaling)
+    x, want = _rope_in(model), trace["layers.0.attn.rope_q"]
 
     def adjacent(x, cos, sin):
         half = x.shape[-1] // 2
