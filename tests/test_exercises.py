@@ -262,3 +262,24 @@ def test_count_parameters_names_the_head_counted_wrongly(capsys, model):
     ok, line = verdict(capsys, "count_parameters",
                        lambda cfg: solution("count_parameters")(cfg) + extra, model)
     assert not ok and f"({extra:+,})" in line and "LM head" in line, line
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma3"])
+def test_residual_block_checks_on_todays_families(capsys, tmp_path, family):
+    """The check gives the family's own sublayers (window, QK-norm, Gemma's norms after each
+    sublayer), so the two-line block passes and a block without the MLP's residual fails."""
+    import shutil
+
+    from tiny_checkpoint import make_tiny_checkpoint
+    d = make_tiny_checkpoint(tmp_path / family, family=family.replace("gemma3", "llama"))
+    if family == "gemma3":  # Gemma's weights, beside the Llama checkpoint's tokenizer
+        from test_gemma3 import make_gemma3_checkpoint
+        shutil.copytree(d, tmp_path / "gemma3-tiny")
+        d = make_gemma3_checkpoint(tmp_path / "gemma3-tiny")
+    fam = load_model(d)
+    assert fam.config.sandwich_norm == (family == "gemma3")
+    ok, line = verdict(capsys, "residual_block", solution("residual_block"), fam)
+    assert ok, line
+    ok, line = verdict(capsys, "residual_block",
+                       lambda x, a, m, n1, n2: m(n2(x + a(n1(x)))), fam)
+    assert not ok, line

@@ -918,6 +918,8 @@ def _layer_fns(model, i: int):
     reference solutions (no cache: the prompt's positions only)."""
     c, lw = model.config, _layer(model, i)
     H, KV, hd = c.n_heads, c.n_kv_heads, c.head_dim
+    if not _llama2_layer(c):  # a later family: the library's sublayers
+        return _library_layer_fns(model, i)
 
     def attn(x):  # [B, T, D]
         B, T, _ = x.shape
@@ -942,9 +944,47 @@ def _layer_fns(model, i: int):
     return attn, mlp, norm1, norm2
 
 
+def _llama2_layer(c) -> bool:
+    """Whether a layer is Llama 2's, as the reference solutions write it."""
+    return not (c.qk_norm or c.qkv_bias or c.sliding_window or c.sandwich_norm
+                or c.norm_offset or c.mlp_act != "silu" or c.rope_scaling
+                or c.attn_scale)
+
+
+def _library_layer_fns(model, i: int):
+    """Layer i's sublayers as the library computes them, for families the reference
+    solutions do not cover (QK-norm, windows, Gemma's norms...): the residual adds stay."""
+    from .attention import Positions, attention
+    from .mlp import swiglu as lib_swiglu
+    from .norm import rms_norm as lib_norm
+    c, lw = model.config, _layer(model, i)
+    eps, off = c.norm_eps, c.norm_offset
+
+    def post(h, weight):  # Gemma normalizes each sublayer's output before the add
+        return lib_norm(h, weight, eps, offset=off) if c.sandwich_norm else h
+
+    def attn(x):  # [B, T, D]
+        pos = Positions.of(0, x.shape[1], c, x.device)
+        pos = pos.local if pos.local and c.is_sliding(i) else pos
+        h = attention(x, lw, c, pos)
+        return post(h, getattr(lw, "post_attn_norm", None))
+
+    def mlp(x):
+        return post(lib_swiglu(x, lw, act=c.mlp_act), getattr(lw, "post_mlp_norm", None))
+
+    def norm1(x):
+        return lib_norm(x, lw.attn_norm, eps, offset=off)
+
+    def norm2(x):
+        return lib_norm(x, lw.mlp_norm, eps, offset=off)
+    return attn, mlp, norm1, norm2
+
+
 def _case_residual_block(model) -> Case:
     trace = _trace(model)
     x, want = _stream_into(trace, 0), trace["layers.0.resid_out"]
+    if "embed.scaled" in trace:  # Gemma: the stream starts from the scaled rows
+        x = trace["embed.scaled"]
     fns = _layer_fns(model, 0)
 
     def call(fn):
