@@ -232,7 +232,8 @@ def residual_block(x: torch.Tensor, attn: Callable, mlp: Callable, norm1: Callab
 def lm_head(x: torch.Tensor, norm_weight: torch.Tensor, head: torch.Tensor,
             eps: float) -> torch.Tensor:
     """The end of the forward pass. x [B, T, D]: the stream out of the last layer; norm_weight
-    [D]: the final RMSNorm's weight; head [V, D]; eps -> logits [B, T, V]."""
+    [D]: the final RMSNorm's weight (Gemma's gain, 1 + weight); head [V, D]; eps
+    -> logits [B, T, V]."""
     mean_sq = x.pow(2).mean(-1, keepdim=True)  # [B, T, 1]
     x = norm_weight * x * torch.rsqrt(mean_sq + eps)  # [B, T, D]
     return x @ head.T  # [B, T, V]
@@ -1015,7 +1016,8 @@ def _case_lm_head(model) -> Case:
 
     def norm(x, nw, eps):
         return nw * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return Case(_caller(x, w.final_norm, w.lm_head, c.norm_eps), want,
+    gain = w.final_norm + (1.0 if c.norm_offset else 0.0)  # Gemma: (1 + weight)
+    return Case(_caller(x, gain, w.lm_head, c.norm_eps), want,
                 f"lm_head, the logits, {_shape(want)}", _tensor_compare(1e-4), [
                     (lambda x, nw, head, eps: x @ head.T,
                      "the final norm is missing: normalize x first, then the head"),
