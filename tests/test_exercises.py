@@ -265,9 +265,10 @@ def test_count_parameters_names_the_head_counted_wrongly(capsys, model):
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma3"])
-def test_residual_block_checks_on_todays_families(capsys, tmp_path, family):
-    """The check gives the family's own sublayers (window, QK-norm, Gemma's norms after each
-    sublayer), so the two-line block passes and a block without the MLP's residual fails."""
+def test_block_head_and_cache_checks_on_todays_families(capsys, tmp_path, family):
+    """residual_block gives the family's own sublayers (window, QK-norm, Gemma's norms after
+    each sublayer), lm_head the final norm's gain, kv_cache_step a position inside the window
+    and Gemma's score scale: the solutions pass; a block without its MLP's residual fails."""
     import shutil
 
     from tiny_checkpoint import make_tiny_checkpoint
@@ -278,8 +279,9 @@ def test_residual_block_checks_on_todays_families(capsys, tmp_path, family):
         d = make_gemma3_checkpoint(tmp_path / "gemma3-tiny")
     fam = load_model(d)
     assert fam.config.sandwich_norm == (family == "gemma3")
-    ok, line = verdict(capsys, "residual_block", solution("residual_block"), fam)
-    assert ok, line
+    for name in ["residual_block", "lm_head", "kv_cache_step"]:
+        ok, line = verdict(capsys, name, solution(name), fam)
+        assert ok, line
     ok, line = verdict(capsys, "residual_block",
                        lambda x, a, m, n1, n2: m(n2(x + a(n1(x)))), fam)
     assert not ok, line

@@ -844,6 +844,10 @@ def _case_kv_cache_step(model) -> Case:
     q_all = trace["layers.0.attn.rope_q"][0]  # [T, H, hd]
     k_all, v_all = trace["layers.0.attn.rope_k"][0], trace["layers.0.attn.v"][0]  # [T, KV, hd]
     T, pos, max_len = q_all.shape[0], q_all.shape[0] - 1, q_all.shape[0] + 3
+    if c.is_sliding(0):  # a window (Mistral, Gemma 3): a position it does not cut yet
+        pos = min(pos, c.sliding_window - 1)
+    if c.attn_scale:  # Gemma's own score scale, folded into q for a 1/sqrt(hd) step
+        q_all = q_all * (c.attn_scale * math.sqrt(c.head_dim))
     # positions 0..pos-1 hold the prompt's K and V; the rest holds what a cache may hold there:
     # anything (seeded noise of the same size), so that reading too far shows
     g = torch.Generator().manual_seed(0)
@@ -851,8 +855,8 @@ def _case_kv_cache_step(model) -> Case:
     k_cache = noise[0] * k_all.std() + k_all.mean()
     v_cache = noise[1] * v_all.std() + v_all.mean()
     k_cache[:pos], v_cache[:pos] = k_all[:pos], v_all[:pos]
-    want = trace["layers.0.attn.weighted_sum"][0, :, -1]  # [H, hd]: the last position's output
-    args = (q_all[-1], k_all[-1], v_all[-1], k_cache, v_cache, pos)
+    want = trace["layers.0.attn.weighted_sum"][0, :, pos]  # [H, hd]: the output at pos
+    args = (q_all[pos], k_all[pos], v_all[pos], k_cache, v_cache, pos)
 
     def call(fn):
         q, k_new, v_new, kc, vc, p = _copy(args)
