@@ -237,7 +237,8 @@ def residual_block(x: torch.Tensor, attn: Callable, mlp: Callable, norm1: Callab
 def lm_head(x: torch.Tensor, norm_weight: torch.Tensor, head: torch.Tensor,
             eps: float) -> torch.Tensor:
     """The end of the forward pass. x [B, T, D]: the stream out of the last layer; norm_weight
-    [D]: the final RMSNorm's weight; head [V, D]; eps -> logits [B, T, V]."""
+    [D]: the final RMSNorm's weight (Gemma's gain, 1 + weight); head [V, D]; eps
+    -> logits [B, T, V]."""
     mean_sq = x.pow(2).mean(-1, keepdim=True)  # [B, T, 1]
     x = norm_weight * x * torch.rsqrt(mean_sq + eps)  # [B, T, D]
     return x @ head.T  # [B, T, V]
@@ -857,6 +858,10 @@ def _case_kv_cache_step(model) -> Case:
     q_all = trace["layers.0.attn.rope_q"][0]  # [T, H, hd]
     k_all, v_all = trace["layers.0.attn.rope_k"][0], trace["layers.0.attn.v"][0]  # [T, KV, hd]
     T, pos, max_len = q_all.shape[0], q_all.shape[0] - 1, q_all.shape[0] + 3
+    if c.is_sliding(0):  # a window (Mistral, Gemma 3): a position it does not cut yet
+        pos = min(pos, c.sliding_window - 1)
+    if c.attn_scale:  # Gemma's own score scale, folded into q for a 1/sqrt(hd) step
+        q_all = q_all * (c.attn_scale * math.sqrt(c.head_dim))
     # positions 0..pos-1 hold the prompt's K and V; the rest holds what a cache may hold there:
     # anything (seeded noise of the same size), so that reading too far shows
     g = torch.Generator().manual_seed(0)
@@ -864,8 +869,8 @@ def _case_kv_cache_step(model) -> Case:
     k_cache = noise[0] * k_all.std() + k_all.mean()
     v_cache = noise[1] * v_all.std() + v_all.mean()
     k_cache[:pos], v_cache[:pos] = k_all[:pos], v_all[:pos]
-    want = trace["layers.0.attn.weighted_sum"][0, :, -1]  # [H, hd]: the last position's output
-    args = (q_all[-1], k_all[-1], v_all[-1], k_cache, v_cache, pos)
+    want = trace["layers.0.attn.weighted_sum"][0, :, pos]  # [H, hd]: the output at pos
+    args = (q_all[pos], k_all[pos], v_all[pos], k_cache, v_cache, pos)
 
     def call(fn):
         q, k_new, v_new, kc, vc, p = _copy(args)
@@ -932,6 +937,8 @@ def _layer_fns(model, i: int):
     reference solutions (no cache: the prompt's positions only)."""
     c, lw = model.config, _layer(model, i)
     H, KV, hd = c.n_heads, c.n_kv_heads, c.head_dim
+    if not _llama2_layer(c):  # a later family: the library's sublayers
+        return _library_layer_fns(model, i)
 
     def attn(x):  # [B, T, D]
         B, T, _ = x.shape
@@ -956,9 +963,47 @@ def _layer_fns(model, i: int):
     return attn, mlp, norm1, norm2
 
 
+def _llama2_layer(c) -> bool:
+    """Whether a layer is Llama 2's, as the reference solutions write it."""
+    return not (c.qk_norm or c.qkv_bias or c.sliding_window or c.sandwich_norm
+                or c.norm_offset or c.mlp_act != "silu" or c.rope_scaling
+                or c.attn_scale)
+
+
+def _library_layer_fns(model, i: int):
+    """Layer i's sublayers as the library computes them, for families the reference
+    solutions do not cover (QK-norm, windows, Gemma's norms...): the residual adds stay."""
+    from .attention import Positions, attention
+    from .mlp import swiglu as lib_swiglu
+    from .norm import rms_norm as lib_norm
+    c, lw = model.config, _layer(model, i)
+    eps, off = c.norm_eps, c.norm_offset
+
+    def post(h, weight):  # Gemma normalizes each sublayer's output before the add
+        return lib_norm(h, weight, eps, offset=off) if c.sandwich_norm else h
+
+    def attn(x):  # [B, T, D]
+        pos = Positions.of(0, x.shape[1], c, x.device)
+        pos = pos.local if pos.local and c.is_sliding(i) else pos
+        h = attention(x, lw, c, pos)
+        return post(h, getattr(lw, "post_attn_norm", None))
+
+    def mlp(x):
+        return post(lib_swiglu(x, lw, act=c.mlp_act), getattr(lw, "post_mlp_norm", None))
+
+    def norm1(x):
+        return lib_norm(x, lw.attn_norm, eps, offset=off)
+
+    def norm2(x):
+        return lib_norm(x, lw.mlp_norm, eps, offset=off)
+    return attn, mlp, norm1, norm2
+
+
 def _case_residual_block(model) -> Case:
     trace = _trace(model)
     x, want = _stream_into(trace, 0), trace["layers.0.resid_out"]
+    if "embed.scaled" in trace:  # Gemma: the stream starts from the scaled rows
+        x = trace["embed.scaled"]
     fns = _layer_fns(model, 0)
 
     def call(fn):
@@ -989,7 +1034,8 @@ def _case_lm_head(model) -> Case:
 
     def norm(x, nw, eps):
         return nw * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return Case(_caller(x, w.final_norm, w.lm_head, c.norm_eps), want,
+    gain = w.final_norm + (1.0 if c.norm_offset else 0.0)  # Gemma: (1 + weight)
+    return Case(_caller(x, gain, w.lm_head, c.norm_eps), want,
                 f"lm_head, the logits, {_shape(want)}", _tensor_compare(1e-4), [
                     (lambda x, nw, head, eps: x @ head.T,
                      "the final norm is missing: normalize x first, then the head"),
