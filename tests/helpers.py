@@ -1,4 +1,5 @@
-"""What several test files share: the prompt, and small tools to break a checkpoint."""
+"""What several test files share: the prompt, an exercise's verdict, and small tools to break a
+checkpoint."""
 
 import json
 import os
@@ -36,3 +37,13 @@ def nan_weight(d: Path, name: str, value: float = float("nan")) -> None:
     sd = load_file(d / "model.safetensors")
     sd[name] = torch.full_like(sd[name], value)
     save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+
+
+def verdict(capsys, name, fn, model) -> tuple[bool, str]:
+    """An exercise's check on fn: whether it passed, and the one line it printed."""
+    from llmtrace.exercises import check
+
+    ok = check(name, fn, model=model)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1, f"check printed more than one line: {out!r}"
+    return ok, out.strip()

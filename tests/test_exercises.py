@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from llmtrace import load_model
+from helpers import verdict
 from llmtrace.exercises import CHAPTERS, NAMES, check, solution
 
 
@@ -18,13 +19,6 @@ def model(request):
     if request.param == "embedded":
         return load_model("embedded")
     return request.getfixturevalue("tiny")
-
-
-def verdict(capsys, name, fn, model) -> tuple[bool, str]:
-    ok = check(name, fn, model=model)
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1, f"check printed more than one line: {out!r}"
-    return ok, out.strip()
 
 
 def test_names_and_chapters():

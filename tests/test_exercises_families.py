@@ -5,9 +5,9 @@ tiny checkpoints of each, and a wrong version still fails."""
 import pytest
 import torch
 
+from helpers import verdict
 from llmtrace import load_model
 from llmtrace.exercises import solution
-from test_exercises import verdict
 
 
 def _hf_family_models():
