@@ -148,18 +148,27 @@ def test_meta_model_of_each_family_has_its_tensors():
         assert (lw.q_bias is not None) == c.qkv_bias and (lw.q_norm is not None) == c.qk_norm
 
 
+def only_tokenizer_json(tmp_path, family, text, post_processor=None):
+    """A tiny checkpoint of `family` whose only tokenizer file is a word-level tokenizer.json
+    (ids: <unk> 0, <s> 1, </s> 2, then the words of `text`), as Qwen, Gemma and Llama 3 ship."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    d = make_tiny_checkpoint(tmp_path / f"tiny-{family}", family=family)
+    (d / "tokenizer.model").unlink()
+    (d / "tokenizer_config.json").unlink()
+    words = ["<unk>", "<s>", "</s>", *text.split()]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if post_processor is not None:
+        tok.post_processor = post_processor
+    tok.save(str(d / "tokenizer.json"))
+    return d
+
+
 def test_a_directory_with_only_tokenizer_json_loads(tmp_path):
     """Qwen, Gemma and Llama 3 checkpoints ship tokenizer.json, no tokenizer.model; Qwen's
     settings add no BOS."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    d = make_tiny_checkpoint(tmp_path / "tiny-qwen3", family="qwen3")
-    (d / "tokenizer.model").unlink()
-    (d / "tokenizer_config.json").unlink()
-    words = "<unk> <s> </s> The capital of France is Paris".split()
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(d / "tokenizer.json"))
+    d = only_tokenizer_json(tmp_path, "qwen3", "The capital of France is Paris")
     model = load_model(d)
     assert model.tokenizer.kind == "byte-level BPE"  # llmtrace's name for any tokenizer.json
     ids = model.encode("The capital of France is")[0].tolist()
@@ -171,15 +180,8 @@ def test_a_directory_with_only_tokenizer_json_loads(tmp_path):
 def test_tokenizer_json_adds_bos_as_its_post_processor_says(tmp_path):
     """Llama 3's tokenizer.json adds <|begin_of_text|> in its post-processor and its settings
     do not say add_bos_token: HF adds it, so does llmtrace."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from tokenizers import processors
 
-    d = make_tiny_checkpoint(tmp_path / "tiny-llama3", family="llama3")
-    (d / "tokenizer.model").unlink()
-    (d / "tokenizer_config.json").unlink()
-    words = "<unk> <s> </s> The capital".split()
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
-        ("<s>", 1)])
-    tok.save(str(d / "tokenizer.json"))
+    bos = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    d = only_tokenizer_json(tmp_path, "llama3", "The capital", post_processor=bos)
     assert load_model(d).encode("The capital")[0].tolist() == [1, 3, 4]
