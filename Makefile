@@ -74,10 +74,11 @@ browser:
 
 # nbval executes every chapter and compares its outputs with the committed ones; the book is then
 # built from those outputs (_build/_config_test.yml: _config.yml with execution off). Two workers
-# share the two cores, one thread each (a notebook's cells stay on one worker: --dist loadscope)
+# share the two cores, one thread each (a notebook's cells stay on one worker: --dist loadscope);
+# the chapters come first, the longest work, so that the short tests fill the end
 test: setup graphviz $(MATHJAX) $(PLOTLY_JS) browser
 	OMP_NUM_THREADS=1 LLMTRACE_MODEL=embedded $(PY) -m pytest -n 2 --dist loadscope \
-		tests notebooks --ignore tests/test_book.py \
+		notebooks tests --ignore tests/test_book.py \
 		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
 	mkdir -p _build
 	sed 's/^  execute_notebooks: .*/  execute_notebooks: "off"/' _config.yml > _build/_config_test.yml

@@ -3,6 +3,7 @@ device, HF's reference model, and the tiny random checkpoint (a directory, `tiny
 model loaded from it, `tiny`)."""
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -23,14 +24,16 @@ if "OMP_NUM_THREADS" not in os.environ:
 
 def pytest_xdist_make_scheduler(config, log):
     """Under `pytest -n 2 --dist loadscope` (make test) a worker takes a whole scope: a test module,
-    or a notebook, whose cells must share one kernel. Each chapter's run on the tiny checkpoint is
-    its own scope, so the fifteen do not queue on one worker behind each other."""
+    or a notebook, whose cells must share one kernel. The chapters' runs on the tiny Llama
+    checkpoint make two scopes (even and odd chapters), so the two workers share them; the
+    chapters of one scope run in one kernel (test_chapters_any_model.py)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ChaptersApart(LoadScopeScheduling):
         def _split_scope(self, nodeid):
-            if "test_chapters_any_model.py::" in nodeid:
-                return nodeid
+            chapter = re.search(r"test_chapters_any_model.py::(\w+)\[(\d\d)_", nodeid)
+            if chapter and "random" in chapter[1]:
+                return f"{chapter[1]}-{int(chapter[2]) % 2}"
             return super()._split_scope(nodeid)
 
     return ChaptersApart(config, log)

@@ -9,35 +9,70 @@ model must be guarded by `book.runs`, and what holds for every model is still as
 The chapters that show the whole machine or attention run on a tiny Gemma 3 checkpoint too: the
 family that differs from Llama the most (QK-norm, a norm after each sublayer, scaled embeddings,
 GeGLU, local and global layers), so a chapter that expects Llama's names breaks here first.
+
+The chapters of one checkpoint share a kernel: before each, `%reset -f` empties its namespace, so a
+chapter that uses a name it does not define itself still fails, while torch, matplotlib and the
+meta device's first trace are paid once, not twenty times (about 7 s of a chapter's 9 to 17 on
+this machine). Each chapter also runs in a fresh kernel of its own under nbval.
 """
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import nbformat
 import pytest
+from jupyter_client.manager import start_new_kernel
 from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+from nbformat.v4 import new_code_cell, new_notebook
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
-# the whole machine and attention: a chapter run costs 10-15 s, so a few only
+# the whole machine and attention, and the appendix on the families
 FAMILY_CHAPTERS = [p for p in NOTEBOOKS if p.stem[:2] in ("01", "06", "13", "16")]
 
 
-def run_chapter(path, checkpoint, monkeypatch) -> str:
-    """Execute a chapter with LLMTRACE_MODEL=checkpoint; the banner's text."""
-    monkeypatch.setenv("LLMTRACE_MODEL", str(checkpoint))  # the kernel inherits this environment
+@pytest.fixture(scope="session")
+def kernels():
+    """One kernel per checkpoint, started on first use with LLMTRACE_MODEL set to it."""
+    started = {}
+
+    def kernel(checkpoint):
+        if checkpoint not in started:
+            env = {**os.environ, "LLMTRACE_MODEL": str(checkpoint)}
+            started[checkpoint] = start_new_kernel(kernel_name="python3", env=env,
+                                                   cwd=str(NOTEBOOKS[0].parent))
+        return started[checkpoint]
+
+    yield kernel
+    for km, kc in started.values():
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def execute(path, kernel):
+    """Execute a notebook, from an empty namespace, in a kernel of `kernels`."""
+    km, kc = kernel
+    reply = kc.execute_interactive("%reset -f", timeout=60)
+    assert reply["content"]["status"] == "ok", reply["content"]
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
+    client = NotebookClient(nb, km=km, timeout=300)
+    client.kc = kc
     client.execute()  # raises CellExecutionError, with the cell and its traceback, on any error
+    return nb
+
+
+def run_chapter(path, kernel) -> str:
+    """Execute a chapter; the banner's text."""
+    nb = execute(path, kernel)
     return "".join(o.get("data", {}).get("text/markdown", "")
                    for o in nb.cells[1].get("outputs", []) if nb.cells[1].cell_type == "code")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_chapter_runs_on_a_tiny_random_checkpoint(path, tiny_dir, monkeypatch):
-    banner = run_chapter(path, tiny_dir, monkeypatch)
+def test_chapter_runs_on_a_tiny_random_checkpoint(path, tiny_dir, kernels):
+    banner = run_chapter(path, kernels(tiny_dir))
     assert "tiny-llama" in banner, f"{path.name}: the first code cell must name the model that ran"
 
 
@@ -60,10 +95,26 @@ def tiny_gemma3_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("path", FAMILY_CHAPTERS, ids=[p.stem for p in FAMILY_CHAPTERS])
-def test_chapter_runs_on_a_tiny_gemma3_checkpoint(path, tiny_gemma3_dir, monkeypatch):
-    banner = run_chapter(path, tiny_gemma3_dir, monkeypatch)
+def test_chapter_runs_on_a_tiny_gemma3_checkpoint(path, tiny_gemma3_dir, kernels):
+    banner = run_chapter(path, kernels(tiny_gemma3_dir))
     assert "tiny-gemma3" in banner, f"{path.name}: the banner must name the model that ran"
 
 
 def test_the_family_chapters_exist():
     assert [p.stem[:2] for p in FAMILY_CHAPTERS] == ["01", "06", "13", "16"]
+
+
+def test_a_chapter_starts_from_an_empty_namespace(tmp_path, tiny_gemma3_dir, kernels):
+    """The shared kernel lends a chapter nothing: what an earlier one imported or defined is
+    gone before the next begins."""
+    first, second, third = (tmp_path / f"{n}.ipynb" for n in ("first", "second", "third"))
+    nbformat.write(new_notebook(cells=[new_code_cell("import torch\nleft = torch.ones(1)")]), first)
+    nbformat.write(new_notebook(cells=[new_code_cell("torch.ones(1)")]), second)
+    nbformat.write(new_notebook(cells=[new_code_cell("left")]), third)
+    kernel = kernels(tiny_gemma3_dir)
+    execute(first, kernel)
+    with pytest.raises(CellExecutionError, match="name 'torch' is not defined"):
+        execute(second, kernel)
+    execute(first, kernel)
+    with pytest.raises(CellExecutionError, match="name 'left' is not defined"):
+        execute(third, kernel)
