@@ -5,6 +5,8 @@
 # make bench: speed and memory, measured (bench/); writes .cache/bench.json, which the cost chapter shows.
 # Generated files (the embedded model in fp32, TinyLlama's tokenizer.model, npm packages) go to .cache/.
 
+# Two jobs at once: Debian's and npm's downloads go on while the venv installs
+MAKEFLAGS += --jobs=2
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -68,8 +70,8 @@ lab: setup graphviz $(VENV)/.lab
 graphviz:
 	command -v dot >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz)
 
-# Debian's Chromium, for the check of the rendered pages
-browser:
+# Debian's Chromium, for the check of the rendered pages (after Graphviz: one apt-get at a time)
+browser: graphviz
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
 # nbval executes every chapter and compares its outputs with the committed ones; the book is then
