@@ -13,7 +13,8 @@ GeGLU, local and global layers), so a chapter that expects Llama's names breaks 
 The chapters of one checkpoint share a kernel: before each, `%reset -f` empties its namespace, so a
 chapter that uses a name it does not define itself still fails, while torch, matplotlib and the
 meta device's first trace are paid once, not twenty times (about 7 s of a chapter's 9 to 17 on
-this machine). Each chapter also runs in a fresh kernel of its own under nbval.
+this machine). What a chapter changes in the process itself (torch's global seed, matplotlib's
+settings) does carry over to the next; nbval runs each chapter in a fresh kernel of its own.
 """
 
 import json
