@@ -62,6 +62,26 @@ def test_config_read_from_hf(gemma):
     assert Config.from_hf(c.to_hf(), name=c.name) == c  # written back, read the same
 
 
+def test_every_end_id_ends_a_generation(gemma):
+    """Gemma 3 lists two ends, eos_token_id [1, 106] (<eos>, <end_of_turn>): read, written back
+    as HF reads it, and each one stops `generate`."""
+    model = gemma[0]
+    assert Config.from_name("gemma-3-270m").end_ids == (1, 106)
+    hf = model.config.replace(eos_id=1, stop_ids=(106,)).to_hf()
+    assert hf["eos_token_id"] == [1, 106]
+    assert Gemma3TextConfig(**hf).eos_token_id == [1, 106]
+    c = Config.from_hf(hf, name="x")
+    assert (c.eos_id, c.stop_ids, c.end_ids) == (1, (106,), (1, 106))
+    with pytest.raises(LlmTraceError, match=r"stop_ids=\(32000,\) must be token ids below"):
+        c.replace(stop_ids=(32000,))
+    free = generate(model, prompt_ids(), max_new_tokens=5, trace=False, stop_at_eos=False)
+    ends = (model.config.eos_id, free.new_ids[2])  # the third token made an end
+    stopper = Model(model.config.replace(stop_ids=ends[1:]), model.weights, model.tokenizer)
+    g = generate(stopper, prompt_ids(), max_new_tokens=5, trace=False)
+    k = next(i for i, t in enumerate(free.new_ids) if t in ends)
+    assert g.stop_reason == "eos" and g.new_ids == free.new_ids[:k + 1] and k < 4
+
+
 @torch.inference_mode()
 def test_prefill_logits_match_hf(gemma):
     model, hf = gemma

@@ -37,6 +37,7 @@ class Config:
     bos_id: int = 1
     eos_id: int = 2
     head_dim: int = 0  # 0 means hidden_size // n_heads
+    stop_ids: tuple = ()  # more ids that end a generation, after eos_id (Gemma 3: end of turn)
     # What today's families change (each default is Llama 2's, so a Llama config is untouched):
     family: str = "llama"  # the HF model_type: llama, mistral, qwen2, qwen3, gemma3_text
     qkv_bias: bool = False  # Qwen2: a bias vector added to Q, K and V
@@ -105,6 +106,9 @@ class Config:
             if getattr(self, field) >= self.vocab_size:
                 problems.append(f"{field}={getattr(self, field)} is not below "
                                 f"vocab_size={self.vocab_size}")
+        if not all(isinstance(i, int) and 0 <= i < self.vocab_size for i in self.stop_ids):
+            problems.append(f"stop_ids={self.stop_ids!r} must be token ids below "
+                            f"vocab_size={self.vocab_size}")
         if problems:
             raise LlmTraceError(f"config {self.name!r}: " + "; ".join(problems))
 
@@ -117,6 +121,11 @@ class Config:
     def kv_size(self) -> int:
         """Width of K and V before the head reshape: n_kv_heads * head_dim (256 for TinyLlama)."""
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def end_ids(self) -> tuple:
+        """Every id that ends a generation: eos_id, then stop_ids."""
+        return (self.eos_id, *self.stop_ids)
 
     def is_sliding(self, layer: int) -> bool:
         """Does this layer attend through a sliding window? Gemma 3 names each layer's kind;
@@ -186,8 +195,7 @@ class Config:
 
         rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
         eos = c.get("eos_token_id", 2)
-        if isinstance(eos, list):
-            eos = eos[0] if eos else 2
+        eos, *stops = (eos or [2]) if isinstance(eos, list) else [eos]  # Gemma 3: [1, 106]
         fields = dict(
             name=name or c.get("_name_or_path") or "hf-model",
             vocab_size=get("vocab_size", int),
@@ -202,6 +210,7 @@ class Config:
             tied_lm_head=get("tie_word_embeddings", bool, False),
             bos_id=get("bos_token_id", int, 1),
             eos_id=2 if eos is None else eos,
+            stop_ids=tuple(stops),
             head_dim=get("head_dim", int, 0),
             family=family,
             # Mistral's window; Qwen's (use_sliding_window) is refused, Llama's HF ignores
@@ -250,7 +259,7 @@ class Config:
             "rms_norm_eps": self.norm_eps,
             "tie_word_embeddings": self.tied_lm_head,
             "bos_token_id": self.bos_id,
-            "eos_token_id": self.eos_id,
+            "eos_token_id": [self.eos_id, *self.stop_ids] if self.stop_ids else self.eos_id,
             "hidden_act": "silu",
             "attention_bias": False,
             "mlp_bias": False,
@@ -535,7 +544,7 @@ PRESETS: dict[str, dict] = {
     "gemma-3-270m": dict(vocab_size=262144, hidden_size=640, n_layers=18, n_heads=4,
                          n_kv_heads=1, ffn_size=2048, max_positions=32768,
                          rope_theta=1_000_000.0, norm_eps=1e-6, tied_lm_head=True, bos_id=2,
-                         eos_id=1, head_dim=256, norm_offset=True, sandwich_norm=True,
+                         eos_id=1, stop_ids=(106,), head_dim=256, norm_offset=True, sandwich_norm=True,
                          mlp_act="gelu_tanh", embed_scale=True, attn_scale=256**-0.5,
                          layer_types=(("sliding",) * 5 + ("full",)) * 3,
                          rope_local_theta=10_000.0, sliding_window=512, qk_norm=True,

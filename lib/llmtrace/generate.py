@@ -99,7 +99,7 @@ def generate(model, prompt, max_new_tokens: int = 20, temperature: float = 0.0,
         check_finite(model, g.ids, last, t, patch)
         g.new_ids.append(draw(warp(last, temperature, top_k, top_p, t), generator, t))
         keep_step(g, tracing, step, t, last)
-        if stop_at_eos and g.new_ids[-1] == model.config.eos_id:
+        if stop_at_eos and g.new_ids[-1] in model.config.end_ids:
             g.stop_reason = "eos"
             break
     g.seconds = time.perf_counter() - started
