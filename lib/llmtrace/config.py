@@ -544,7 +544,8 @@ PRESETS: dict[str, dict] = {
     "gemma-3-270m": dict(vocab_size=262144, hidden_size=640, n_layers=18, n_heads=4,
                          n_kv_heads=1, ffn_size=2048, max_positions=32768,
                          rope_theta=1_000_000.0, norm_eps=1e-6, tied_lm_head=True, bos_id=2,
-                         eos_id=1, stop_ids=(106,), head_dim=256, norm_offset=True, sandwich_norm=True,
+                         eos_id=1, stop_ids=(106,),  # <eos>, then <end_of_turn>
+                         head_dim=256, norm_offset=True, sandwich_norm=True,
                          mlp_act="gelu_tanh", embed_scale=True, attn_scale=256**-0.5,
                          layer_types=(("sliding",) * 5 + ("full",)) * 3,
                          rope_local_theta=10_000.0, sliding_window=512, qk_norm=True,
