@@ -82,3 +82,27 @@ def test_cli_shapes_only_of_a_family_says_whose_tokenizer_stands_in(capsys):
     assert shapes["layers.0.attn.q_norm"] == [1, 6, 16, 128] and shapes["lm_head"] == [1, 6, 151936]
     _, stdout, _ = run(capsys, "--shapes-only", "--json", PROMPT)
     assert "stands in" not in json.loads(stdout)["source"]  # TinyLlama's tokenizer is its own
+
+
+def test_cli_shapes_only_of_a_checkpoint_directory(capsys, tmp_path):
+    """Its own config.json on the meta device: a directory that holds nothing else will do."""
+    from llmtrace import Config
+
+    c = Config.from_name("qwen3-0.6b").replace(n_layers=3).to_hf()
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    code, stdout, err = run(capsys, "--shapes-only", "--json", "--model", str(tmp_path), PROMPT)
+    assert code == 0, err
+    out = json.loads(stdout)
+    assert out["model"] == tmp_path.name and out["config"]["n_layers"] == 3
+    assert "own tokenizer is not on this machine" in out["source"]
+    shapes = {x["name"]: x["shape"] for x in out["trace"]}
+    assert shapes["layers.2.attn.q_norm"] == [1, 6, 16, 128]
+    assert "layers.3.attn.q_norm" not in shapes
+    assert shapes["lm_head"] == [1, 6, 151936]
+
+
+def test_cli_preset_without_shapes_only_says_to_add_it(capsys):
+    code, _, err = run(capsys, "--model", "llama-3.2-1b", PROMPT)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "'llama-3.2-1b' is a preset config, which has shapes only (no weights): add " \
+           "--shapes-only" in err

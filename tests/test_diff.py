@@ -2,6 +2,8 @@
 
 import pytest
 
+from helpers import one_line
+
 from llmtrace import Config, LlmTraceError, trace_shapes
 from llmtrace.diff import layer_ops, same_op, trace_diff
 
@@ -77,3 +79,36 @@ def test_lines_fit_the_width_and_group_shapes(llama2):
 def test_a_layer_the_trace_lacks_is_named(llama2):
     with pytest.raises(LlmTraceError, match="has no layer 5: pick a layer"):
         layer_ops(llama2, 5)
+
+
+@pytest.mark.parametrize("other, says", [
+    ("tinyllama", "trace_diff compares two traces, got a str: pass model.run(prompt)[1] or "
+                  "trace_shapes(config)[0]"),
+    (None, "got a NoneType: pass model.run(prompt)[1]"),
+    ([], "got a list: trace_shapes returns [prefill, decode 1, ...]: pass one, e.g. its [0]"),
+    ((None, None), "got a tuple: model.run returns (logits, trace): pass its [1]"),
+])
+def test_what_is_not_a_trace_is_one_line(llama2, other, says):
+    for a, b in ((llama2, other), (other, llama2)):
+        with pytest.raises(LlmTraceError) as err:
+            trace_diff(a, b)
+        assert says in one_line(err)
+
+
+def test_a_generation_and_a_bad_layer_or_width_are_one_line(llama2, embedded):
+    from llmtrace import generate
+
+    g = generate(embedded, "Hi", max_new_tokens=1)
+    with pytest.raises(LlmTraceError, match=r"got a Generation: generate keeps one trace per "
+                                            r"step: pass one, e.g. g.steps\[0\]"):
+        trace_diff(llama2, g)
+    with pytest.raises(LlmTraceError, match="layer must be an integer, got '0'"):
+        trace_diff(llama2, llama2, layer_a="0")
+    with pytest.raises(LlmTraceError, match="layer must be at least 0, got -1"):
+        trace_diff(llama2, llama2, layer_b=-1)
+    d = trace_diff(llama2, walk("qwen3-0.6b"))
+    for width in (0, -5, 2.5):
+        with pytest.raises(LlmTraceError, match="width must be"):
+            d.lines(width=width)
+        with pytest.raises(LlmTraceError, match="width must be"):
+            d.shape_lines(width=width)

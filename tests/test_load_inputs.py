@@ -21,10 +21,12 @@ from llmtrace import Config, LlmTraceError, load_model
     ({"num_hidden_layers": 2.5}, "num_hidden_layers must be an integer, got 2.5"),
     ({"tie_word_embeddings": "no"}, "tie_word_embeddings must be true or false"),
     ({"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a number"),
-    ({"num_attention_heads": 0}, "n_heads=0 must be at least 1"),
-    ({"num_key_value_heads": 3}, "n_heads=4 is not a multiple of n_kv_heads=3"),
-    ({"rope_theta": -10000.0, "rope_parameters": None}, "rope_theta=-10000 must be positive"),
-    ({"bos_token_id": 99999}, "bos_id=99999 is not below vocab_size=32000"),
+    ({"num_attention_heads": 0}, "num_attention_heads=0 must be at least 1"),
+    ({"num_key_value_heads": 3},
+     "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ({"rope_theta": -10000.0, "rope_parameters": None},
+     "rope_theta=-10000.0 must be a positive number"),
+    ({"bos_token_id": 99999}, "bos_token_id=99999 is not below vocab_size=32000"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
      "rope_scaling of type 'llama3' needs positive factor, high_freq_factor"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_scaling of type 'yarn'"),
@@ -178,7 +180,7 @@ def write_gguf(path: Path, tokens=True, merges=True, int8=False, heads=4):
     (dict(tokens=False), "lacks tokenizer.ggml.tokens: the file has no complete tokenizer"),
     (dict(merges=False), "lacks tokenizer.ggml.merges: the file has no complete tokenizer"),
     (dict(int8=True), "token_embd.weight holds raw I8 integers"),
-    (dict(heads=0), "n_heads=0 must be at least 1"),
+    (dict(heads=0), "llama.attention.head_count=0 must be at least 1"),
 ])
 def test_gguf_contents(tmp_path, kind, says):
     write_gguf(tmp_path / "m.gguf", **kind)

@@ -37,7 +37,8 @@ def parse_args(argv):
     p.add_argument("--all-layers", action="store_true", help="show every layer in the table")
     p.add_argument("--shapes-only", action="store_true",
                    help="trace TinyLlama-1.1B's shapes on the meta device, no weights needed "
-                        "(--model may name another preset: " + ", ".join(sorted(PRESETS)) + ")")
+                        "(--model may name another preset: " + ", ".join(sorted(PRESETS)) +
+                        "; or a Hugging Face directory: its config.json's shapes)")
     p.add_argument("--lens", action="store_true",
                    help="instead of the trace table, the logit lens: the top token after every "
                         "layer at every position, and the greedy token's p at the last position")
@@ -77,11 +78,23 @@ def check_args(args) -> None:
 
 
 def shapes_config(model: str | None):
-    """--shapes-only traces a preset: TinyLlama-1.1B unless --model names another one."""
+    """--shapes-only traces a config with no weights: TinyLlama-1.1B's, another preset's, or a
+    Hugging Face checkpoint's own config.json (its directory, or the file)."""
+    from pathlib import Path
+
     from .config import Config
 
     model = None if model is None else model.strip()
-    return Config.from_name("tinyllama-1.1b" if model in (None, "auto", "tinyllama") else model)
+    if model in (None, "auto", "tinyllama"):
+        return Config.from_name("tinyllama-1.1b")
+    path = Path(model).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix == ".json"):
+        return Config.from_hf(path)
+    if path.exists():
+        raise LlmTraceError(f"--shapes-only reads a Hugging Face config.json, and {model} is "
+                            f"not one nor a directory holding one: point --model at the model's "
+                            f"directory, or name a preset ({', '.join(sorted(PRESETS))})")
+    return Config.from_name(model)
 
 
 def top_candidates(tokenizer, logits: torch.Tensor, n: int = 10) -> list[dict]:
@@ -100,24 +113,38 @@ def run_shapes_only(args) -> dict:
     from .tokenize import display_piece
 
     config = shapes_config(args.model)
-    source = "meta device (shapes only)"
-    if config.name == "smollm2-135m":
-        from .load import load_model
-
-        tok = load_model("embedded").tokenizer
-    else:  # TinyLlama and Llama 2 use Llama-2's tokenizer, which is here offline
-        from .weights.tokenizer_llama import llama_tokenizer
-
-        tok = llama_tokenizer()
-        if not config.name.startswith(("tinyllama", "llama-2")):  # the others' are not here
-            source += (f"; {config.name}'s own tokenizer is not on this machine: "
-                       "Llama-2's stands in, so only the count of tokens is its")
+    tok, note = shapes_tokenizer(args.model, config)
+    source = "meta device (shapes only)" + note
     ids = torch.tensor([tok.encode(args.prompt)])  # [1, T]
     prefill, decode = trace_shapes(config, ids, decode_steps=1)
     return {"model": config.name, "source": source, "config": config.to_dict(),
             "input_ids": ids[0].tolist(),
             "input_pieces": [display_piece(tok, i) for i in ids[0].tolist()],
             "trace": prefill, "decode_trace": decode, "generation": None}
+
+
+def shapes_tokenizer(model: str | None, config):
+    """The tokenizer that counts the prompt's tokens for a shapes-only run, and what to say of
+    it: a checkpoint directory's own, the embedded model's, or Llama-2's (TinyLlama's), which is
+    here offline and stands in for the others."""
+    from pathlib import Path
+
+    from .weights.tokenizer_llama import llama_tokenizer
+
+    if model is not None and Path(model.strip()).expanduser().is_dir():
+        from .weights.hf import load_tokenizer
+
+        tok = load_tokenizer(Path(model.strip()).expanduser(), config)
+        if tok is not None:
+            return tok, ""
+    elif config.name == "smollm2-135m":
+        from .load import load_model
+
+        return load_model("embedded").tokenizer, ""
+    elif config.name.startswith(("tinyllama", "llama-2")):
+        return llama_tokenizer(), ""
+    return llama_tokenizer(), (f"; {config.name}'s own tokenizer is not on this machine: "
+                               "Llama-2's stands in, so only the count of tokens is its")
 
 
 def run_live(args) -> dict:

@@ -16,6 +16,7 @@ import re
 import textwrap
 from dataclasses import dataclass
 
+from .check import check_int
 from .errors import LlmTraceError
 from .trace import Record, Trace, _fmt_shape
 
@@ -23,6 +24,8 @@ from .trace import Record, Trace, _fmt_shape
 def layer_ops(trace: Trace, layer: int = 0) -> dict[str, Record]:
     """The records of one layer, named without their "layers.N." prefix, and the records outside
     the layers, in the order the trace made them."""
+    check_trace(trace)
+    check_int("layer", layer, minimum=0)
     prefix = f"layers.{layer}."
     ops = {r.name[len(prefix):]: r for r in trace if r.name.startswith(prefix)}
     if not ops:
@@ -30,6 +33,24 @@ def layer_ops(trace: Trace, layer: int = 0) -> dict[str, Record]:
                             f"pick a layer below the model's count")
     ops.update({r.name: r for r in trace if not r.name.startswith("layers.")})
     return ops
+
+
+def check_trace(trace) -> None:
+    """trace_diff compares two `Trace` objects; say what to pass for what is often passed."""
+    if isinstance(trace, Trace):
+        return
+    hint = {tuple: "model.run returns (logits, trace): pass its [1]",
+            list: "trace_shapes returns [prefill, decode 1, ...]: pass one, e.g. its [0]"}
+    kind = type(trace).__name__
+    said = next((h for t, h in hint.items() if isinstance(trace, t)), None)
+    if kind == "Generation":
+        said = "generate keeps one trace per step: pass one, e.g. g.steps[0]"
+    raise LlmTraceError(f"trace_diff compares two traces, got a {kind}: "
+                        f"{said or 'pass model.run(prompt)[1] or trace_shapes(config)[0]'}")
+
+
+def check_width(width) -> int:
+    return check_int("width", width, minimum=1)
 
 
 def same_op(a: str, b: str) -> bool:
@@ -51,6 +72,7 @@ class TraceDiff:
     def lines(self, shapes: bool = True, width: int = 80) -> list[str]:
         """The difference as printed lines: + added, - removed, ~ computed another way (then
         what it was), and (shapes=True) the shapes that changed."""
+        check_width(width)
         named = self.added + self.removed + [b for _, b in self.recomputed]
         w = max((len(_short(r.name, 0)) for r in named), default=0)
 
@@ -68,6 +90,7 @@ class TraceDiff:
     def shape_lines(self, width: int = 80) -> list[str]:
         """One line per change of shape, "[1, 6, 5632] -> [1, 6, 8192]", then the operations
         that changed so, wrapped to width."""
+        check_width(width)
         groups: dict[str, list[str]] = {}  # in the order of their first operation
         for a, b in self.reshaped:
             key = f"{_fmt_shape(a.shape)} -> {_fmt_shape(b.shape)}"

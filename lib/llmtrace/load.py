@@ -111,7 +111,15 @@ def resolve(name: str | None = None) -> str:
 
 def check_name(choice: str) -> None:
     """A model name must be one of CHOICES or an existing path; say so before anything loads."""
-    if choice not in CHOICES and not Path(choice).expanduser().exists():
+    from .config import ALIASES, PRESETS
+
+    exists = Path(choice).expanduser().exists()
+    if choice not in CHOICES and not exists and choice.lower() in {*PRESETS, *ALIASES}:
+        raise LlmTraceError(f"{choice!r} is a preset config, which has shapes only (no weights): "
+                            f"add --shapes-only on the command line (trace_shapes or meta_model "
+                            f"in Python), or load weights with one of {', '.join(CHOICES)}, "
+                            f"a Hugging Face model directory or a .gguf file")
+    if choice not in CHOICES and not exists:
         raise LlmTraceError(f"unknown model {choice!r}: use one of {', '.join(CHOICES)}, "
                             f"a Hugging Face model directory or a .gguf file")
 

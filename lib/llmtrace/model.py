@@ -162,6 +162,9 @@ class Model:
         if self.tokenizer is None:
             raise LlmTraceError(f"model {self.name} has no tokenizer: "
                                 "pass token ids instead of text")
+        if bos and self.tokenizer.bos_id is None:
+            raise LlmTraceError(f"model {self.name} has no BOS token (its bos_token_id is null): "
+                                f"encode without bos=True")
         return torch.tensor([self.tokenizer.encode(prompt, bos=bos)])  # [1, T]
 
     def ids(self, prompt) -> torch.Tensor:

