@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from helpers import edit_config, one_line
+from helpers import one_line
 from llmtrace import Config, LlmTraceError, load_model
 from llmtrace import config as config_module
 from llmtrace.weights import gguf as gguf_module
@@ -191,6 +191,8 @@ def reads_or_number(node) -> bool:
         return isinstance(node.value, (int, float)) and not isinstance(node.value, bool)
     if isinstance(node, (ast.List, ast.Tuple)):  # `eos or [2]`: an id invented
         return any(reads_or_number(e) for e in node.elts)
+    if isinstance(node, ast.Subscript):  # `c["head_dim"] or ...`
+        return isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)
     if isinstance(node, ast.Call):
         name = getattr(node.func, "attr", getattr(node.func, "id", ""))
         key = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
@@ -202,10 +204,12 @@ def test_the_scan_finds_the_old_fallbacks():
     old = ('n = get("num_key_value_heads", int, 0) or get("num_attention_heads", int)\n'
            'theta = full.get("rope_theta") or 1_000_000.0\n'
            'name = name or c.get("_name_or_path") or "hf-model"\n'
-           'eos, *stops = eos or [2]\n')
+           'eos, *stops = eos or [2]\n'
+           'head_dim = v["head_dim"] or v["hidden_size"] // v["n_heads"]\n')
     assert or_fallbacks(old) == ['get(\'num_key_value_heads\', int, 0) or '
                                  'get(\'num_attention_heads\', int)',
-                                 "full.get('rope_theta') or 1000000.0", "eos or [2]"]
+                                 "full.get('rope_theta') or 1000000.0", "eos or [2]",
+                                 "v['head_dim'] or v['hidden_size'] // v['n_heads']"]
 
 
 @pytest.mark.parametrize("module", [config_module, gguf_module])

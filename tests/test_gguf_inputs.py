@@ -6,7 +6,6 @@ import hashlib
 
 import numpy as np
 import pytest
-import torch
 
 from helpers import PROMPT, one_line
 from llmtrace import LlmTraceError, load_model

@@ -68,7 +68,7 @@ def config_problems(v: dict, key=str) -> list[str]:
 def shape_problems(v: dict, key=str) -> list[str]:
     """What `config_problems` finds once every count is a positive integer."""
     problems = []
-    head_dim = v["head_dim"] or v["hidden_size"] // v["n_heads"]
+    head_dim = v["head_dim"] if v["head_dim"] != 0 else v["hidden_size"] // v["n_heads"]
     if v["n_heads"] % v["n_kv_heads"]:
         problems.append(f"{key('n_heads')}={v['n_heads']} is not a multiple of "
                         f"{key('n_kv_heads')}={v['n_kv_heads']}")

@@ -3,6 +3,11 @@
 Read with the `gguf` package, every tensor dequantized to fp32. llama.cpp's converter permuted
 the rows of W_q and W_k into the adjacent-pair RoPE layout; we permute them back to the half-split
 layout (`rope.adjacent_to_half_split`), with the query head count for Q and the KV head count for K.
+
+Any llama-architecture GGUF file reads the same way, every tensor in it accounted for: each one a
+weight of the model its metadata describes, or the file is refused by the tensor's name (a tensor
+dropped would make the logits another model's). Its vocabulary is byte-level BPE (`gpt2`, as
+the embedded model's) or SentencePiece (`llama`, as every Llama 2 and TinyLlama GGUF has).
 """
 
 from __future__ import annotations
