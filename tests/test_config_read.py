@@ -147,6 +147,7 @@ FULL_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 0},
     ({"max_position_embeddings": 0}, "max_position_embeddings=0 must be at least 1"),
     ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
      "rope_parameters.partial_rotary_factor=0.5 (RoPE on part of each head) is not implemented"),
+    ({**GEMMA, "attention_bias": True}, "attention_bias=true (projections with a bias vector)"),
     ({"eos_token_id": [2, "x"]}, "eos_token_id must be a token id, a list of them or null"),
     ({"eos_token_id": 1000}, "eos_token_id=1000 is not below vocab_size=1000"),
 ])

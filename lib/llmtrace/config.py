@@ -267,7 +267,7 @@ class Config:
             values[field] = value
         # GGUF stores eps as float32 (9.999999747e-06): round it back to the decimal it came from
         values["norm_eps"] = float(f"{values['norm_eps']:.6g}")
-        problems = config_problems({**FIELD_DEFAULTS, **values}, GGUF_KEYS.get)
+        problems = config_problems({**FIELD_DEFAULTS, **values}, lambda f: GGUF_KEYS.get(f, f))
         if problems:
             raise LlmTraceError(f"{where}: " + "; ".join(problems))
         return cls(**values)
@@ -697,9 +697,10 @@ def refuse_unsupported(c: dict, where: str) -> None:
     if act not in ("silu", "swish"):
         raise LlmTraceError(f"{where}: hidden_act {act!r} is not implemented (the MLP is SwiGLU, "
                             f"with SiLU): {COMPUTED}")
-    # Qwen2's bias on Q, K and V is computed (its class ignores the key); in Llama and Qwen3,
+    # Qwen2's bias on Q, K and V is computed (its class ignores the key); in Llama, Qwen3, Gemma 3
     # attention_bias=true adds one to the output projection too. Mistral's class ignores both.
-    biased = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}
+    biased = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",),
+              "gemma3_text": ("attention_bias",)}
     for key in biased.get(family, ()):
         if c.get(key):
             raise LlmTraceError(f"{where}: {key}=true (projections with a bias vector) is not "
