@@ -55,7 +55,11 @@ $(PLOTLY_JS): $(VENV)/.installed
 	mkdir -p book/_static
 	cp "$$($(PY) -c 'import plotly, pathlib; print(pathlib.Path(plotly.__file__).parent / "package_data/plotly.min.js")')" $@
 
-book: setup graphviz $(MATHJAX) $(PLOTLY_JS)
+# the exercises page, written from the exercises' registry (notebooks/exercises)
+book/exercises.md: $(VENV)/.installed $(wildcard notebooks/exercises/*.py)
+	$(PY) notebooks/exercises/page.py
+
+book: setup graphviz $(MATHJAX) $(PLOTLY_JS) book/exercises.md
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
 
 # JupyterLab on the chapters, in the project's environment (LAB_FLAGS=--no-browser on a server)
@@ -78,7 +82,7 @@ browser: graphviz
 # built from those outputs (_build/_config_test.yml: _config.yml with execution off). Two workers
 # share the two cores, one thread each (a notebook's cells stay on one worker: --dist loadscope);
 # the chapters come first, the longest work, so that the short tests fill the end
-test: setup graphviz $(MATHJAX) $(PLOTLY_JS) browser
+test: setup graphviz $(MATHJAX) $(PLOTLY_JS) browser book/exercises.md
 	OMP_NUM_THREADS=1 LLMTRACE_MODEL=embedded $(PY) -m pytest -n 2 --dist loadscope \
 		notebooks tests --ignore tests/test_book.py \
 		--nbval --nbval-sanitize-with notebooks/sanitize.cfg

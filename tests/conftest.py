@@ -7,11 +7,16 @@ import re
 import shutil
 from pathlib import Path
 
+import sys
+
 import pytest
 import torch
 
-from helpers import PROMPT
-from llmtrace import load_model, meta_model
+# the book's exercises live beside the chapters (notebooks/exercises): `from exercises import check`
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
+
+from helpers import PROMPT  # noqa: E402
+from llmtrace import load_model, meta_model  # noqa: E402
 
 # One intra-op thread unless OMP_NUM_THREADS says otherwise. The tests run tensors of a few tokens,
 # where a second thread saves nothing and, on a busy machine, spins while it waits for the other:
