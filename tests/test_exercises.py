@@ -67,6 +67,7 @@ def test_every_solution_passes(capsys, model, name):
     assert ok and line.startswith(f"✓ {name}: matches "), line
     # a pass line prints no measured float, only shapes, names and the stated tolerance
     assert not re.search(r"\d\.\d", line), line
+    assert len(line) <= 80, line  # a chapter's output within the book's column
 
 
 def _stub(*args):

@@ -98,5 +98,5 @@ def _(model) -> Case:
                         + (f"; hint: {hint}" if hint else ""))
         return None
     compare.rtol = None
-    return Case(call, want, f"the {want[0]:,} parameters loaded and {len(configs) - 1} "
-                            f"other configs' counts", compare)
+    return Case(call, want, f"the {want[0]:,} loaded, and {len(configs) - 1} more configs",
+                compare)

@@ -253,7 +253,7 @@ def _(model) -> Case:
     def variant(**wrong):
         return lambda x, w, c, i: attention_variant(x, w, c, i, **wrong)
     labels = tuple(f"layers.{i}.attn.out" for i in layers)
-    return Case(call, want, f"{', '.join(labels)} {shape(want[0])}",
+    return Case(call, want, f"attn.out of layers {' and '.join(map(str, layers))}",
                 tuple_compare(labels, 1e-4), [
                     (variant(tiled=True), "each KV head serves n_rep CONSECUTIVE query heads: "
                                           "repeat_interleave(H // KV, dim=1), not repeat"),

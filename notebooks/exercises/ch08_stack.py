@@ -127,7 +127,8 @@ def _(model) -> Case:
         return lambda x, w, c, i: block_variant(x, w, c, i, mistake)
     labels = tuple(f"layers.{i}.resid_out" for i in layers)
     return Case(lambda fn: [run(fn, *args) for args in inputs], want,
-                f"{', '.join(labels)} {shape(want[0])}", tuple_compare(labels, 1e-4), [
+                f"resid_out of layers {' and '.join(map(str, layers))}",
+                tuple_compare(labels, 1e-4), [
                     (variant("post_norm"), RESIDUAL_HINTS["post_norm"]),
                     (variant("no_residual"), RESIDUAL_HINTS["no_residual"]),
                     (variant("mlp_reads_x"), RESIDUAL_HINTS["mlp_reads_x"]),

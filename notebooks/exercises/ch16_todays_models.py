@@ -51,7 +51,7 @@ def _(model) -> Case:
         return torch.zeros(T, start + T).masked_fill(j <= p - W, inf)
 
     return Case(lambda fn: (caller(T, 0, WINDOW)(fn), caller(1, T, WINDOW)(fn)), want,
-                f"the window masks {shape(want[0])}, {shape(want[1])} (window {WINDOW})",
+                f"the window-{WINDOW} masks {shape(want[0])}, {shape(want[1])}",
                 tuple_compare(("prefill", "decode step"), 1e-6), [
                     (lambda T, s, W: sliding_window_mask(T, s, s + T + 1),
                      "that is the causal mask alone: keys `window` or more behind the query "

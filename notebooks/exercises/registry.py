@@ -176,11 +176,17 @@ def edited(before, after, where: str) -> str | None:
     return None
 
 
+EXPECTED: list[str] = []  # the argument names of the exercise being checked
+
+
 def arg_names(fn, n: int) -> list[str]:
+    """The names fn gives its first n arguments (`argument 3` past them, or for `*args`)."""
+    plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     try:
-        names = list(inspect.signature(fn).parameters)
+        names = [p.name for p in inspect.signature(fn).parameters.values() if p.kind in plain]
     except (TypeError, ValueError):
         names = []
+    names += EXPECTED[len(names):n]  # `*args`: the exercise's own names
     return (names + [f"argument {i + 1}" for i in range(len(names), n)])[:n]
 
 
@@ -379,6 +385,7 @@ def _check(name, fn, model) -> bool:
     except Exception as e:  # noqa: BLE001
         print(f"✗ {name}: the check could not run on this model: {first_line(e)}")
         return False
+    EXPECTED[:] = list(inspect.signature(REGISTRY[name].solution).parameters)
     try:
         with time_limit(LIMIT_SECONDS):
             got = case.call(fn)
