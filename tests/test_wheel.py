@@ -12,6 +12,7 @@ again and TinyLlama's tokenizer is the one `make setup` rebuilt."""
 import email.parser
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -49,7 +50,13 @@ def clean_env() -> dict:
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    run([sys.executable, "-m", "build", "--outdir", out, ROOT / "lib"], cwd=ROOT)
+    egg_info = ROOT / "lib" / "llmtrace.egg-info"  # what setuptools leaves in the source tree
+    was_there = egg_info.exists()
+    try:
+        run([sys.executable, "-m", "build", "--outdir", out, ROOT / "lib"], cwd=ROOT)
+    finally:
+        if not was_there:
+            shutil.rmtree(egg_info, ignore_errors=True)
     return out
 
 

