@@ -1,6 +1,7 @@
 """Fixtures built once per test run: the embedded model, its traced prompt, TinyLlama on the meta
 device, HF's reference model, and the tiny random checkpoint (a directory, `tiny_dir`, and the
-model loaded from it, `tiny`)."""
+model loaded from it, `tiny`), and the Jupyter kernels the chapters run in on such checkpoints
+(`kernels`)."""
 
 import os
 import re
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from helpers import PROMPT
+from jupyter_client.manager import start_new_kernel
 from llmtrace import load_model, meta_model
 
 # One intra-op thread unless OMP_NUM_THREADS says otherwise. The tests run tensors of a few tokens,
@@ -20,6 +22,8 @@ from llmtrace import load_model, meta_model
 # thread each too (OMP_NUM_THREADS=1); `make test-variants` checks them on the default threads.
 if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -89,3 +93,22 @@ def llama_tok():
     from llmtrace.weights.tokenizer_llama import llama_tokenizer
 
     return llama_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """One Jupyter kernel per checkpoint, in notebooks/, started on first use with LLMTRACE_MODEL
+    set to it."""
+    started = {}
+
+    def kernel(checkpoint):
+        if checkpoint not in started:
+            env = {**os.environ, "LLMTRACE_MODEL": str(checkpoint)}
+            started[checkpoint] = start_new_kernel(kernel_name="python3", env=env,
+                                                   cwd=str(NOTEBOOKS))
+        return started[checkpoint]
+
+    yield kernel
+    for km, kc in started.values():
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
