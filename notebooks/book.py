@@ -118,8 +118,9 @@ def check_plain(model: Model, equal: bool, what: str, only=SWITCHES) -> None:
     if plain_llama(model, only):
         assert equal, f"{what}: the plain Llama code does not reproduce {model.label}'s trace"
         return
-    set_ = ", ".join(f"`{s}`" for s in switches(model, only))
-    say(f"{model.label} is not a plain Llama: {set_} change{'s' * (set_.count(',') == 0)} "
+    names = switches(model, only)
+    verb = "changes" if len(names) == 1 else "change"
+    say(f"{model.label} is not a plain Llama: {', '.join(f'`{n}`' for n in names)} {verb} "
         f"{what}, so the plain code above does not reproduce its trace here; "
         "[chapter 16](16_todays_models.ipynb) shows each change.")
 
@@ -276,8 +277,7 @@ def figure_problems(fig) -> list[str]:
     for ax in fig.axes:
         if ax in bars or not ax.axison:
             continue
-        suptitle = fig._suptitle.get_text() if fig._suptitle else ""
-        name = repr(ax.get_title() or suptitle or "a plot")
+        name = repr(ax.get_title() or fig.get_suptitle() or "a plot")
         for axis, label in (("x", ax.get_xlabel()), ("y", ax.get_ylabel())):
             if not getattr(ax, f"{axis}axis").get_visible():  # a twin's shared axis
                 continue
@@ -458,24 +458,21 @@ PLOTLY_SMALLEST_PX = 12  # plotly sizes text in pixels: 12 px is 9 pt
 
 
 def readable(fig) -> None:
-    """An interactive figure the book can show: no text under `PLOTLY_SMALLEST_PX` (smaller tick
-    and title fonts are raised to it), and a title on every axis that shows tick labels;
-    LlmTraceError names the axis that has none."""
-    axes = [k for k in fig.layout.to_plotly_json() if k.startswith(("xaxis", "yaxis"))]
-    used = {("x" + (t.xaxis or "x")[1:], "y" + (t.yaxis or "y")[1:]) for t in fig.data
-            if t.type in ("heatmap", "bar", "scatter")}
-    axes += [f"{a}axis{n}" for pair in used for a, n in ((p[0], p[1:]) for p in pair)
-             if f"{a}axis{n}" not in axes]
-    if (fig.layout.font.size or 12) < PLOTLY_SMALLEST_PX:
-        fig.update_layout(font_size=PLOTLY_SMALLEST_PX)
-    for name in sorted(set(axes)):
+    """Refuse an interactive figure the book cannot show well (LlmTraceError, naming the axis):
+    text under `PLOTLY_SMALLEST_PX`, or an axis that shows tick labels and has no title."""
+    def problem(what):
+        return llmtrace.LlmTraceError(f"the interactive figure {fig.layout.title.text!r}: {what}")
+
+    if (fig.layout.font.size or 12) < PLOTLY_SMALLEST_PX:  # plotly's default is 12 px
+        raise problem(f"its font is under {PLOTLY_SMALLEST_PX} px")
+    refs = {ref for t in fig.data for ref in (t.xaxis or "x", t.yaxis or "y")}  # "x", "y2"
+    for name in sorted(ref[0] + "axis" + ref[1:] for ref in refs):  # "xaxis", "yaxis2"
         axis = fig.layout[name]
         if (axis.tickfont.size or 12) < PLOTLY_SMALLEST_PX:
-            axis.tickfont.size = PLOTLY_SMALLEST_PX
+            raise problem(f"the ticks of its {name} are under {PLOTLY_SMALLEST_PX} px")
         shown = axis.showticklabels is not False and axis.visible is not False
         if shown and not (axis.title.text or "").strip():
-            raise llmtrace.LlmTraceError(f"the interactive figure {fig.layout.title.text!r}: "
-                                         f"its {name} has tick labels and no title")
+            raise problem(f"its {name} has tick labels and no title")
 
 
 def _static_png(fig) -> bytes | None:

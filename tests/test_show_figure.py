@@ -120,7 +120,7 @@ def test_an_axis_with_ticks_and_no_title_is_refused(book, monkeypatch):
         shown(book, monkeypatch, fig, "two rows")
 
 
-def test_small_ticks_are_raised_to_the_smallest_readable_size(book, monkeypatch):
+def test_small_ticks_are_refused(book, monkeypatch):
     fig = heatmap([[0.1, 0.9], [0.5, 0.5]]).update_xaxes(tickfont_size=7)
-    shown(book, monkeypatch, fig, "two rows")
-    assert fig.layout.xaxis.tickfont.size == book.PLOTLY_SMALLEST_PX == 12
+    with pytest.raises(LlmTraceError, match="the ticks of its xaxis are under 12 px"):
+        shown(book, monkeypatch, fig, "two rows")
