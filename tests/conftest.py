@@ -30,13 +30,15 @@ def pytest_xdist_make_scheduler(config, log):
     """Under `pytest -n 2 --dist loadscope` (make test) a worker takes a whole scope: a test module,
     or a notebook, whose cells must share one kernel. The chapters' runs on the tiny Llama
     checkpoint make two scopes (even and odd chapters), so the two workers share them; the
-    chapters of one scope run in one kernel (test_chapters_any_model.py)."""
+    chapters of one scope run in one kernel (test_chapters_any_model.py). The runs of the
+    chapters' visible cells alone (test_visible_cells.py) are split the same way."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ChaptersApart(LoadScopeScheduling):
         def _split_scope(self, nodeid):
-            chapter = re.search(r"test_chapters_any_model.py::(\w+)\[(\d\d)_", nodeid)
-            if chapter and "random" in chapter[1]:
+            chapter = re.search(r"test_(?:chapters_any_model|visible_cells).py::(\w+)\[(\d\d)_",
+                                nodeid)
+            if chapter and ("random" in chapter[1] or "visible" in chapter[1]):
                 return f"{chapter[1]}-{int(chapter[2]) % 2}"
             return super()._split_scope(nodeid)
 
