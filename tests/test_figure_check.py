@@ -22,9 +22,13 @@ from llmtrace import LlmTraceError  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def style():
-    book.use_book_style()
-    yield
+    """The book's style and checked plt.show for one test, the process's own restored after."""
+    show = plt.show
+    with matplotlib.rc_context():
+        book.use_book_style()
+        yield
     plt.close("all")
+    plt.show = show
 
 
 def good():
