@@ -3,7 +3,8 @@
 #   the HTML from the outputs nbval has just proven current (no second execution) and check it in a
 #   browser.
 # make bench: speed and memory, measured (bench/); writes .cache/bench.json, which the cost chapter shows.
-# Generated files (the embedded model in fp32, TinyLlama's tokenizer.model, npm packages) go to .cache/.
+# Generated files (the embedded model in fp32 and its ONNX export for the page, TinyLlama's
+#   tokenizer.model, npm packages) go to .cache/.
 
 # Two jobs at once: Debian's and npm's downloads go on while the venv installs
 MAKEFLAGS += --jobs=2
@@ -55,8 +56,18 @@ $(PLOTLY_JS): $(VENV)/.installed
 	mkdir -p book/_static
 	cp "$$($(PY) -c 'import plotly, pathlib; print(pathlib.Path(plotly.__file__).parent / "package_data/plotly.min.js")')" $@
 
-book: setup graphviz $(MATHJAX) $(PLOTLY_JS)
+# The page's model (llmtrace.export): the forward pass in ONNX, the embedded model's weights in
+# chunks of at most 50 MB, its tokenizer and web.json, made once into $(LLMTRACE_CACHE)/web/ (about
+# 35 s; reused while the library, the weights and the exporter stay the same), never committed;
+# WEB_PLACE links them into the built book once jupyter-book has built it
+.PHONY: web
+WEB_PLACE := $(PY) -m llmtrace.export --out _build/html/_static/web
+web: setup
+	$(PY) -m llmtrace.export
+
+book: setup graphviz $(MATHJAX) $(PLOTLY_JS) web
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
+	$(WEB_PLACE)
 
 # JupyterLab on the chapters, in the project's environment (LAB_FLAGS=--no-browser on a server)
 $(VENV)/.lab: $(VENV)/.installed requirements-lab.txt
@@ -78,13 +89,14 @@ browser: graphviz
 # built from those outputs (_build/_config_test.yml: _config.yml with execution off). Two workers
 # share the two cores, one thread each (a notebook's cells stay on one worker: --dist loadscope);
 # the chapters come first, the longest work, so that the short tests fill the end
-test: setup graphviz $(MATHJAX) $(PLOTLY_JS) browser
+test: setup graphviz $(MATHJAX) $(PLOTLY_JS) browser web
 	OMP_NUM_THREADS=1 LLMTRACE_MODEL=embedded $(PY) -m pytest -n 2 --dist loadscope \
 		notebooks tests --ignore tests/test_book.py \
 		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
 	mkdir -p _build
 	sed 's/^  execute_notebooks: .*/  execute_notebooks: "off"/' _config.yml > _build/_config_test.yml
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going --config _build/_config_test.yml
+	$(WEB_PLACE)
 	$(PY) -m pytest tests/test_book.py
 
 # nbval once more under each of three other CPU code paths (generic ATen kernels, MKL limited to
