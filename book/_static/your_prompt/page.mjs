@@ -17,6 +17,7 @@ const BUSY = "a run is already going: wait for it to end (its results replace th
     "then press Run again";
 
 let worker = null, next_id = 0, busy = false, info = null, load_ms = null, shown = null;
+let chosen = null;  // the record the reader opened last (the embedding until then)
 const waiting = new Map();
 
 function show_error(line) {
@@ -27,7 +28,7 @@ function show_error(line) {
 function show_status(line) { $("lt-status").textContent = line; }
 
 function fmt(x, digits = 4) {
-    if (!Number.isFinite(x)) return String(x);
+    if (!Number.isFinite(x) || Number.isInteger(x)) return String(x);
     return Math.abs(x) >= 1e4 || (x !== 0 && Math.abs(x) < 1e-3) ? x.toExponential(2)
         : x.toFixed(digits);
 }
@@ -223,6 +224,7 @@ function show_flow(r) {
     flush();
     const select = $("lt-record-name");
     select.replaceChildren(...r.records.map(rec => new Option(rec.name, rec.name)));
+    if (!r.records.some(rec => rec.name === chosen)) chosen = r.records[1].name;
 }
 
 let plotly = null;
@@ -243,6 +245,7 @@ const FONT = { size: 12 };
 
 async function show_record(r, name) {
     if (!r) return;
+    chosen = name;
     $("lt-record-name").value = name;
     const rec = r.records.find(x => x.name === name);
     const v = r.values[name];
@@ -282,7 +285,7 @@ function show_attention_controls(r) {
     const H = rec ? rec.shape[1] : 0;
     const keep_h = head.value;
     head.replaceChildren(...Array.from({ length: H }, (_, h) => new Option(`head ${h}`, h)));
-    if (Number(keep_h) < H) head.value = keep_h;
+    if (keep_h !== "" && Number(keep_h) < H) head.value = keep_h;
 }
 
 async function show_attention(r) {
@@ -332,8 +335,7 @@ function show(r, opts) {
     const t = r.timings;
     $("lt-timing").textContent = `The whole trace (${r.records.length} records) took ` +
         `${(t.prefill_ms / 1000).toFixed(2)} s in this page; ${r.model}, weights ${r.weights}.`;
-    return Promise.all([show_record(r, $("lt-record-name").value || r.records[1].name),
-                        show_attention(r)]);
+    return Promise.all([show_record(r, chosen), show_attention(r)]);
 }
 
 // The options as the form holds them, each refused by name if it is not a number.
