@@ -34,15 +34,17 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from .config import hf_name
 from .errors import LlmTraceError, first_line
 from .model import Model, state_dict_from_weights, weights_from_state_dict
 from .trace import Record, Trace, _dtype_name
 
 FORMAT = 1  # web.json's layout; the page refuses another
-GRAPH = "model.onnx"
-DATA = "model.onnx.data"  # the external data's one file name, as the graph refers to it
+GRAPH = "model.onnx"  # the page's form; its external data is one file, model.onnx.data
+FP32_GRAPH, FP32_MANIFEST = "model-fp32.onnx", "web-fp32.json"  # fp32, kept beside it
 CHUNK_BYTES = 50_000_000  # at most 50 MB a file: what static hosts serve
 TOKENIZER, TOKENIZER_CONFIG, MANIFEST = "tokenizer.json", "tokenizer_config.json", "web.json"
 INPUT, LOGITS = "ids", "lm_head"
@@ -50,6 +52,7 @@ INPUT, LOGITS = "ids", "lm_head"
 # emoji, newlines and a run of spaces
 TOLERANCE_PROMPTS = ("The capital of France is", "Hello! 1234 caf\u00e9 \U0001F600\n\n  ok")
 KEEP = 2  # exports kept in the cache: the one in use and the one before it
+LOGIT_TOLERANCE = 1e-4  # the page's logits against the trace's; each form is measured at export
 
 
 # --- the graph --------------------------------------------------------------------------------
@@ -124,9 +127,9 @@ def _quiet():
 
 
 def export_onnx(model: Model, path: Path) -> list[dict]:
-    """Export `Model.forward` with a trace to `path` (the graph) and `DATA` beside it (every
-    initializer, one file). Returns the records, in trace order: name, op, dtype, and the shape
-    with the prompt's length written "T"."""
+    """Export `Model.forward` with a trace to `path` (the graph) and path + ".data" beside it
+    (every initializer, one file). Returns the records, in trace order: name, op, dtype, and the
+    shape with the prompt's length written "T"."""
     import onnx_ir as ir
 
     check_exportable(model)
@@ -157,9 +160,9 @@ def export_onnx(model: Model, path: Path) -> list[dict]:
     for value, r in zip(outputs, records):  # the exporter leaves renamed outputs untyped
         value.dtype, value.shape = types[r["dtype"]], ir.Shape(r["shape"])
     program.save(str(path), external_data=True)
-    if not (path.parent / DATA).is_file():
-        raise LlmTraceError(f"the exporter wrote no {DATA} beside {path}: its onnx version "
-                            f"differs from the pinned one; reinstall the requirements")
+    if not path.with_name(path.name + ".data").is_file():
+        raise LlmTraceError(f"the exporter wrote no {path.name}.data beside {path}: its onnx "
+                            f"version differs from the pinned one; reinstall the requirements")
     return records
 
 
@@ -240,19 +243,20 @@ def session_options(threads: int = 1):
     return options
 
 
-def session(d: Path, threads: int = 1, web: dict | None = None):
-    """An onnxruntime session on the exported graph, its external data read as the page reads
-    it: every chunk checked (`verify`, unless web.json's content is given), joined in memory,
-    handed over as `model.onnx.data`."""
+def session(d: Path, threads: int = 1, web: dict | str = MANIFEST):
+    """An onnxruntime session on an exported graph (web.json's form, or another manifest's),
+    its external data read as the page reads it: every chunk checked (`verify`, unless the
+    manifest's content is given), joined in memory, handed over under its one file name."""
     import onnxruntime as ort
 
-    web = verify(d) if web is None else web
+    web = verify(d, web) if isinstance(web, str) else web
     data = bytearray()
     for c in web["chunks"]:
         data += (d / c["file"]).read_bytes()
     options = session_options(threads)
-    options.add_external_initializers_from_files_in_memory([DATA], [data], [len(data)])
-    return ort.InferenceSession((d / GRAPH).read_bytes(), options,
+    options.add_external_initializers_from_files_in_memory([web["external_data"]], [data],
+                                                           [len(data)])
+    return ort.InferenceSession((d / web["graph"]["file"]).read_bytes(), options,
                                 providers=["CPUExecutionProvider"])
 
 
@@ -265,14 +269,6 @@ def logit_difference(model: Model, sess, prompts=TOLERANCE_PROMPTS) -> float:
         (got,) = sess.run([LOGITS], {INPUT: ids.numpy()})
         worst = max(worst, float((torch.from_numpy(got) - logits).abs().max()))
     return worst
-
-
-def round_up(x: float) -> float:
-    """x rounded up to one significant digit: 1.2e-4 -> 2e-4."""
-    if x <= 0:
-        return 1e-6
-    exponent = math.floor(math.log10(x))
-    return float(f"{math.ceil(x / 10**exponent - 1e-9)}e{exponent}")
 
 
 def config_for_page(model: Model) -> dict:
@@ -294,36 +290,52 @@ def versions() -> dict:
             "onnxruntime": onnxruntime.__version__}
 
 
-def write_web(model: Model, d: Path, label: str | None = None) -> dict:
-    """Every file the page loads, into the directory d, web.json last; returns web.json."""
-    started = time.perf_counter()
-    records = export_onnx(model, d / GRAPH)
-    chunks = split(d / DATA)
-    write_tokenizer(model, d)
-    web = {"format": FORMAT, "model": label or model.name, "source": model.source,
-           "weights": "fp32", "graph": _entry(d / GRAPH), "external_data": DATA,
-           "chunks": [_entry(c) for c in chunks], "tokenizer": _entry(d / TOKENIZER),
-           "tokenizer_config": _entry(d / TOKENIZER_CONFIG), "input": INPUT,
-           "records": records, "logits": LOGITS, "config": config_for_page(model)}
+def _form(model: Model, d: Path, graph: Path, weights: str, head: dict) -> dict:
+    """One form's manifest: its graph, its data in chunks, and its logits measured against the
+    trace's (refused past LOGIT_TOLERANCE)."""
+    data = graph.with_name(graph.name + ".data")
+    web = {**head, "weights": weights, "graph": _entry(graph), "external_data": data.name,
+           "chunks": [_entry(c) for c in split(data)]}
     measured = logit_difference(model, session(d, web=web))
-    # twice what was measured: other prompts and other CPU kernels move it (a 46-token prompt
-    # gave 7.2e-5 where these two gave 6.4e-5)
-    web["tolerance"] = {"logits": round_up(2 * measured), "logits_measured": measured,
-                        "prompts": list(TOLERANCE_PROMPTS)}
-    web["exported_with"] = versions()
+    if measured > LOGIT_TOLERANCE:
+        raise LlmTraceError(f"{model.name}: the {weights} graph's logits are {measured:.1e} from "
+                            f"the trace's, over the page's {LOGIT_TOLERANCE:g}")
+    return {**web, "tolerance": {"logits": LOGIT_TOLERANCE, "logits_measured": measured,
+                                 "prompts": list(TOLERANCE_PROMPTS)}}
+
+
+def write_web(model: Model, d: Path, label: str | None = None, blocks: dict | None = None) -> dict:
+    """Every file the page loads, into the directory d, web.json last; returns web.json.
+    The fp32 graph always (`FP32_GRAPH`, manifest `FP32_MANIFEST`); given the GGUF's own
+    blocks (`weights.gguf.read_blocks`), also the graph that holds them, which web.json names
+    as the page's form."""
+    started = time.perf_counter()
+    records = export_onnx(model, d / FP32_GRAPH)
+    write_tokenizer(model, d)
+    head = {"format": FORMAT, "model": label or model.name, "source": model.source,
+            "tokenizer": _entry(d / TOKENIZER), "tokenizer_config": _entry(d / TOKENIZER_CONFIG),
+            "input": INPUT, "records": records, "logits": LOGITS,
+            "config": config_for_page(model), "exported_with": versions()}
+    if blocks is not None:  # before the fp32 data is cut into chunks: it reads that file
+        quantize_graph(d / FP32_GRAPH, d / GRAPH, blocks, model)
+    fp32 = _form(model, d, d / FP32_GRAPH, "fp32", head)
+    web = fp32
+    if blocks is not None:
+        web = {**_form(model, d, d / GRAPH, QUANTIZED, head), "fp32": FP32_MANIFEST}
+        (d / FP32_MANIFEST).write_text(json.dumps(fp32, indent=1))
     web["export_seconds"] = round(time.perf_counter() - started, 1)
     (d / MANIFEST).write_text(json.dumps(web, indent=1))
     return web
 
 
-def verify(d: Path) -> dict:
-    """web.json, after checking that every file it lists has its size and SHA-256 (what the
-    page checks before it runs anything)."""
+def verify(d: Path, manifest: str = MANIFEST) -> dict:
+    """web.json (or another manifest), after checking that every file it lists has its size
+    and SHA-256 (what the page checks before it runs anything)."""
     try:
-        web = json.loads((d / MANIFEST).read_text())
+        web = json.loads((d / manifest).read_text())
         files = [web["graph"], *web["chunks"], web["tokenizer"], web["tokenizer_config"]]
     except (OSError, ValueError, KeyError, TypeError):
-        raise LlmTraceError(f"{d / MANIFEST} is missing or unreadable: "
+        raise LlmTraceError(f"{d / manifest} is missing or unreadable: "
                             f"make it again with python -m llmtrace.export") from None
     for f in files:
         path = d / f["file"]
@@ -335,9 +347,147 @@ def verify(d: Path) -> dict:
             raise LlmTraceError(f"{path} has {size:,} bytes, not {f['size']:,}: it was cut short "
                                 f"or changed; make the export again (python -m llmtrace.export)")
         if sha256(path) != f["sha256"]:
-            raise LlmTraceError(f"{path} does not have the SHA-256 web.json gives: it changed; "
+            raise LlmTraceError(f"{path} does not have the SHA-256 {manifest} gives: it changed; "
                                 f"make the export again (python -m llmtrace.export)")
     return web
+
+
+# --- the GGUF's own blocks, held as they are ----------------------------------------------------
+QUANTIZED = ("Q4_1 blocks (MatMulNBits) + Q8_0 embedding and head "
+             "(GatherBlockQuantized, MatMulNBits)")
+# a layer's quantized matrices (HF name after `model.layers.i.`) -> the record their MatMul makes
+LINEAR_RECORDS = {"self_attn.q_proj.weight": "attn.q_proj",
+                  "self_attn.k_proj.weight": "attn.k_proj",
+                  "self_attn.v_proj.weight": "attn.v_proj",
+                  "self_attn.o_proj.weight": "attn.out", "mlp.gate_proj.weight": "mlp.gate",
+                  "mlp.up_proj.weight": "mlp.up", "mlp.down_proj.weight": "mlp.down"}
+BLOCK = 32  # weights per block, Q4_1 and Q8_0 alike
+
+
+def q4_1_as_matmul_nbits(rows: np.ndarray, K: int):
+    """Q4_1 rows [N, K/32 blocks of (d fp16, m fp16, 16 bytes)], w = d q + m, as MatMulNBits
+    reads them, w = (q - zero_point) scale: the same 4-bit q, scale d, zero point -m/d (a float).
+    Q4_1 puts weight j in the low nibble of byte j and j + 16 in its high nibble; MatMulNBits
+    wants weights 2i, 2i+1 in byte i. A block with d = 0 holds m 32 times: q 1, scale m, zero 0.
+    Returns (q [N, K/32, 16] uint8, scales [N * K/32], zero points [N * K/32]), fp32."""
+    N, blocks = rows.shape[0], K // BLOCK
+    b = rows.reshape(N, blocks, 20)  # [N, K/32, 20]
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+    q = np.concatenate([b[..., 4:] & 0x0F, b[..., 4:] >> 4], axis=-1)  # [N, K/32, 32], in order
+    flat = d == 0
+    q = np.where(flat[..., None], 1, q).astype(np.uint8)
+    scale = np.where(flat, m, d)
+    zero = np.where(flat, 0, -m / np.where(flat, 1, d)).astype(np.float32)
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)  # [N, K/32, 16]
+    return packed, scale.reshape(-1), zero.reshape(-1)
+
+
+def q8_0_as_uint8(rows: np.ndarray, D: int):
+    """Q8_0 rows [V, D/32 blocks of (d fp16, 32 int8)], w = d q, as uint8 with the zero point
+    128 that GatherBlockQuantized and MatMulNBits take by default for 8 bits: q + 128.
+    Returns (q [V, D/32, 32] uint8, scales [V, D/32, 1] fp32)."""
+    b = rows.reshape(rows.shape[0], D // BLOCK, 2 + BLOCK)  # [V, D/32, 34]
+    d = b[..., 0:2].copy().view(np.float16).astype(np.float32)  # [V, D/32, 1]
+    q = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # [V, D/32, 32]
+    return q, d
+
+
+def _dequantized_4(packed, scale, zero, N: int, K: int) -> np.ndarray:
+    q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(N, K).astype(np.float32)
+    zero, scale = (np.repeat(v.reshape(N, -1), BLOCK, axis=1) for v in (zero, scale))
+    return (q - zero) * scale  # [N, K]
+
+
+def quantize_graph(source: Path, target: Path, blocks: dict, model: Model) -> None:
+    """The fp32 graph at `source` with its weight matrices replaced by the GGUF's blocks, saved
+    to `target` (its data in target + ".data"): each linear layer's MatMul becomes MatMulNBits
+    (4 bits), the embedding's Gather GatherBlockQuantized, the tied head's MatMul MatMulNBits
+    (8 bits) on the same bytes. Every output keeps its name. Each block set is checked against
+    the fp32 weight it replaces, so a wrong match cannot pass."""
+    import onnx_ir as ir
+
+    c = model.config
+    if not c.tied_lm_head or blocks.get(hf_name("embed"), ("",))[0] != "Q8_0" \
+            or any(blocks.get(n, ("",))[0] != "Q4_1" for n in _linear_names(c)):
+        raise LlmTraceError(f"{model.name}: the quantized export reads a tied Q8_0 embedding and "
+                            f"Q4_1 layers, as the embedded GGUF holds them")
+    graph_model = ir.load(str(source))
+    g = graph_model.graph
+    made = {n.outputs[0].name: n for n in g}  # a record's name -> the node that makes it
+
+    def constant(name: str, array: np.ndarray) -> ir.Value:
+        value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
+        g.register_initializer(value)
+        return value
+
+    def swap(old, op: str, inputs: list, **attributes) -> None:
+        """`old`'s output, made by a com.microsoft `op` instead, under the same name."""
+        new = ir.node(op, inputs, attributes=attributes, domain="com.microsoft")
+        g.insert_before(old, new)
+        _rename(old, new, g)
+
+    for name in _linear_names(c):
+        i, part = name.split(".", 3)[2], name.split(".", 3)[3]
+        node = made[f"layers.{i}.{LINEAR_RECORDS[part]}"]
+        x, w = node.inputs  # w: W^T [K, N], as the exporter folded it
+        K, N = w.shape
+        packed, scale, zero = q4_1_as_matmul_nbits(blocks[name][1], K)
+        _check_same(name, _dequantized_4(packed, scale, zero, N, K),
+                    w.const_value.numpy().T, model)
+        swap(node, "MatMulNBits", [x, constant(f"{name}.q4", packed),
+                                   constant(f"{name}.scales", scale),
+                                   constant(f"{name}.zero_points", zero)],
+             K=K, N=N, bits=4, block_size=BLOCK)
+
+    V, D = c.vocab_size, c.hidden_size
+    q, d = q8_0_as_uint8(blocks[hf_name("embed")][1], D)
+    _check_same("embed_tokens", ((q.astype(np.float32) - 128) * d).reshape(V, D),
+                model.weights.embed.numpy(), model)
+    table = constant("model.embed_tokens.q8", q)  # [V, D/32, 32]: both nodes read it
+    gather = made["embed"]
+    rows = ir.node("GatherBlockQuantized", [table, gather.inputs[1], constant(
+        "model.embed_tokens.scales", d)], attributes={"gather_axis": 0, "quantize_axis": 2,
+                                                      "block_size": BLOCK, "bits": 8},
+        domain="com.microsoft")  # [1, T, D/32, 32]
+    g.insert_before(gather, rows)
+    flat = ir.node("Reshape", [rows.outputs[0], constant(
+        "embed.shape", np.array([0, 0, D], dtype=np.int64))])  # [1, T, D]
+    g.insert_before(gather, flat)
+    _rename(gather, flat, g)
+    head = made[LOGITS]
+    transposed = head.inputs[1].producer()  # embed_tokens^T, for the fp32 MatMul
+    swap(head, "MatMulNBits", [head.inputs[0], table,
+                               constant("model.embed_tokens.scales_flat", d.reshape(-1))],
+         K=D, N=V, bits=8, block_size=BLOCK)
+    if transposed is not None and not transposed.outputs[0].uses():
+        g.remove(transposed, safe=True)
+    for name, value in list(g.initializers.items()):  # the fp32 matrices, now read by nothing
+        if not value.uses():
+            del g.initializers[name]
+    graph_model.opset_imports["com.microsoft"] = 1
+    ir.save(graph_model, str(target), external_data=target.name + ".data")
+
+
+def _linear_names(c) -> list[str]:
+    return [f"model.layers.{i}.{part}" for i in range(c.n_layers) for part in LINEAR_RECORDS]
+
+
+def _rename(old, new, g) -> None:
+    """`new` takes `old`'s place: its output gets the name, type and shape, and every use."""
+    out = old.outputs[0]
+    name, dtype, shape = out.name, out.dtype, out.shape
+    out.replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
+    g.remove(old, safe=True)
+    new.outputs[0].name, new.outputs[0].dtype, new.outputs[0].shape = name, dtype, shape
+
+
+def _check_same(name: str, dequantized: np.ndarray, weight: np.ndarray, model: Model) -> None:
+    """The blocks must be the weights the trace ran: equal up to fp32 rounding of -m/d."""
+    worst = float(np.abs(dequantized - weight).max())
+    if worst > 1e-6 * max(float(np.abs(weight).max()), 1.0):
+        raise LlmTraceError(f"{model.name}: the GGUF blocks of {name} are {worst:.1e} from the "
+                            f"weights the trace runs: the file is not the one loaded")
 
 
 # --- the cached export of the embedded model --------------------------------------------------
@@ -371,12 +521,13 @@ def web_dir(rebuild: bool = False) -> Path:
     with build_lock(root, target.name):
         if rebuild or usable(target) is not None:
             from .load import load_model
-            from .weights.gguf import EMBEDDED_FILE
+            from .weights.gguf import EMBEDDED_FILE, embedded_gguf_path, read_blocks
 
             check_writable(root, 2 * 560 * 2**20)  # the data file, then its chunks
             model = load_model("embedded")
             with atomic_path(target, directory=True) as tmp:
-                write_web(model, tmp, label=EMBEDDED_FILE.split(".")[0])
+                write_web(model, tmp, label=EMBEDDED_FILE.split(".")[0],
+                          blocks=read_blocks(embedded_gguf_path(), model.config))
                 write_manifest(tmp)  # last: the disk cache's rule, `usable`
             _prune(root, target)
     return target
@@ -390,6 +541,12 @@ def _prune(root: Path, target: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def manifests(d: Path) -> list[str]:
+    """web.json, and the fp32 form's manifest when web.json names another form."""
+    web = json.loads((d / MANIFEST).read_text())
+    return [MANIFEST] + ([web["fp32"]] if "fp32" in web else [])
+
+
 def place(d: Path, out: Path) -> None:
     """The page's files (not the cache's manifest) into `out`: hard links where the disk allows,
     else copies. `out` is replaced if it holds an earlier export."""
@@ -397,25 +554,32 @@ def place(d: Path, out: Path) -> None:
                                                 or (out / MANIFEST).is_file())):
         raise LlmTraceError(f"{out} exists and holds no export (no {MANIFEST}): "
                             f"choose another --out")
-    web = verify(d)
+    names = []
+    for manifest in manifests(d):
+        web = verify(d, manifest)
+        files = [web["graph"], *web["chunks"], web["tokenizer"], web["tokenizer_config"]]
+        names += [f["file"] for f in files] + [manifest]
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    files = [web["graph"], *web["chunks"], web["tokenizer"], web["tokenizer_config"]]
-    for name in [f["file"] for f in files] + [MANIFEST]:
+    for name in dict.fromkeys(names):
         try:
             os.link(d / name, out / name)
         except OSError:  # another disk, or links not allowed
             shutil.copyfile(d / name, out / name)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage and exits; here: one line, exit status 2
+        raise LlmTraceError(f"{message}: see python -m llmtrace.export --help")
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m llmtrace.export", description=__doc__.split(
-        "\n\n")[0])
+    p = _Parser(prog="python -m llmtrace.export", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None,
                    help="also put the page's files into this directory (hard links if possible)")
     p.add_argument("--rebuild", action="store_true", help="export again even if cached")
-    args = p.parse_args(argv)
     try:
+        args = p.parse_args(argv)
         d = web_dir(rebuild=args.rebuild)
         if args.out is not None:
             place(d, args.out)

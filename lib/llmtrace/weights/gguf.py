@@ -115,3 +115,23 @@ def load_gguf(path: str | Path | None = None, name: str = "smollm2-135m"):
         raise LlmTraceError(f"{path}: the tokenizer has {tokenizer.vocab_size:,} pieces but the "
                             f"model's embedding only {config.vocab_size:,} rows")
     return config, sd, tokenizer
+
+
+def read_blocks(path: str | Path, config: Config) -> dict[str, tuple[str, np.ndarray]]:
+    """The quantized tensors as the file holds them, for an export that keeps them so:
+    {HF name: (GGUF type, its bytes [rows, bytes per row])}, the rows of W_q and W_k in the
+    half-split layout (`adjacent_to_half_split`, as `load_gguf`). Float tensors are left out."""
+    from gguf import GGUFReader
+
+    blocks = {}
+    for t in GGUFReader(path).tensors:
+        name, kind = to_hf_name(t.name), t.tensor_type.name
+        if not kind.startswith("Q"):
+            continue
+        rows = torch.from_numpy(np.array(t.data))  # [out, bytes]: whole blocks along `in`
+        if name.endswith("q_proj.weight"):
+            rows = adjacent_to_half_split(rows, config.n_heads)
+        elif name.endswith("k_proj.weight"):
+            rows = adjacent_to_half_split(rows, config.n_kv_heads)
+        blocks[name] = (kind, rows.numpy())
+    return blocks
