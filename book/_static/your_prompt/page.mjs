@@ -97,8 +97,11 @@ function load() {
 function ready_line(i) {
     const threads = i.threads === 1 ? "one thread (the page is not cross-origin isolated)"
         : `${i.threads} threads`;
-    const tol = i.tolerance.logits !== undefined
-        ? `; its logits lie within ${i.tolerance.logits} of the book's (fp32, PyTorch)` : "";
+    const t = i.tolerance;
+    const measured = t.logits_measured !== undefined
+        ? `, ${t.logits_measured.toExponential(1)} measured by the export` : "";
+    const tol = t.logits !== undefined
+        ? `; its logits lie within ${t.logits} of the book's PyTorch trace${measured}` : "";
     return `ready: ${i.model}, weights ${i.weights}${tol}; ${mb(i.downloaded)} downloaded in ` +
         `${(load_ms / 1000).toFixed(1)} s; onnxruntime-web ${i.versions.onnxruntime_web} on ` +
         `${threads}; prompts up to ${i.longest_prompt} tokens (a whole trace within ` +
@@ -244,7 +247,7 @@ function with_plotly() {  // the book's own copy of plotly.js, loaded once
 const FONT = { size: 12 };
 
 async function show_record(r, name) {
-    if (!r) return;
+    if (!r || !r.values[name]) return;
     chosen = name;
     $("lt-record-name").value = name;
     const rec = r.records.find(x => x.name === name);
@@ -293,7 +296,7 @@ async function show_attention(r) {
     const layer = $("lt-attn-layer").value, h = Number($("lt-attn-head").value);
     const name = `layers.${layer}.attn.weights`;
     const rec = r.records.find(x => x.name === name);
-    if (!rec) return;
+    if (!rec || !r.values[name]) return;
     const [, H, T, S] = rec.shape;  // [1, heads, query, key]
     const v = r.values[name];
     const z = Array.from({ length: T }, (_, q) => Array.from(v.subarray((h * T + q) * S,
@@ -358,6 +361,7 @@ function form_options() {
 async function on_run() {
     if (busy) return show_error(BUSY);
     show_error("");
+    if (shown) shown.values = {};  // the last trace's values go before the next one comes
     let opts;
     try {
         opts = form_options();

@@ -14,8 +14,10 @@ import { argmax, check_options, draw, mulberry32, top_tokens, warp } from "./sam
 
 const WEB = new URL("../web/", import.meta.url);  // the export, copied into the built book
 // The page's memory limit for one prompt's whole trace (every record's values, which the graph
-// returns and the page keeps to show): past it a prompt is refused, before anything runs
-const TRACE_LIMIT = 512 * 2 ** 20;
+// returns and the page keeps to show): past it a prompt is refused, before anything runs. With
+// the fp32 weights the tab holds about 1.6 GB once loaded, and a trace takes about twice its size
+// while it is copied out of WebAssembly: this keeps the tab within 2 GB (bench/page.py measures)
+const TRACE_LIMIT = 256 * 2 ** 20;
 
 let manifest = null, tokenizer = null, session = null, info = null;
 let weights = null;               // the concatenated chunks, until the session holds them
@@ -266,6 +268,10 @@ function feeds(ids) {
     return { [manifest.input]: new ort.Tensor("int64", data, [1, ids.length]) };
 }
 
+// onnxruntime copies each output out of WebAssembly's memory into an array of its own: that
+// array's buffer is handed to the page as it is (transferred, not copied again)
+function owns_buffer(a) { return a.byteOffset === 0 && a.byteLength === a.buffer.byteLength; }
+
 // The last position's logits, a Float32Array of the vocabulary's length.
 function last_logits(tensor) {
     const V = tensor.dims[tensor.dims.length - 1];
@@ -286,7 +292,7 @@ async function run(prompt, opts) {
         if (!tensor) fail(`the graph has no output ${r.name}, which web.json lists: rebuild ` +
                           "the book's model files with `make book`");
         const v = tensor.type === "int64" ? Float64Array.from(tensor.data, Number)
-            : tensor.data.slice();
+            : owns_buffer(tensor.data) ? tensor.data : tensor.data.slice();
         records.push({ name: r.name, op: r.op, shape: tensor.dims.slice() });
         values[r.name] = v;
         transfer.push(v.buffer);
