@@ -12,7 +12,6 @@
 import { check_options, MAX_NEW_TOKENS, warp } from "./sampling.mjs";
 
 const $ = id => document.getElementById(id);
-const opened = performance.now();  // ~ the page's start: load_ms counts from here
 const BUSY = "a run is already going: wait for it to end (its results replace these), " +
     "then press Run again";
 
@@ -88,7 +87,7 @@ function load() {
     show_status("loading the model…");
     return ask("load").then(i => {
         info = i;
-        load_ms ??= performance.now() - opened;
+        load_ms ??= performance.now();  // since the page opened (its time origin)
         show_status(ready_line(i));
         return i;
     });
