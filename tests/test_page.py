@@ -272,3 +272,13 @@ def test_without_webassembly_the_page_says_so(page, runs):
     got = browser.js("llmtrace.ready.then(() => 'loaded', e => e.message)")
     assert got.startswith("this browser has no WebAssembly, which runs the model")
     assert browser.js("document.getElementById('lt-error').textContent") == got
+
+
+def test_opened_from_a_file_the_page_says_to_serve_it(page, runs, site):
+    """Opened from disk, where browsers load no module and no WebAssembly: one line says how to
+    serve the book."""
+    browser = page[0]
+    browser.goto((site / PAGE).as_uri())
+    got = browser.js("document.getElementById('lt-error').textContent")
+    assert got.startswith("this page runs the model with WebAssembly, which browsers do not load "
+                          "from file:// pages: serve the book with `make serve`"), got

@@ -106,11 +106,16 @@ function check_manifest(m) {
 }
 
 // The bytes of every output for a prompt of T tokens, read from the graph's own output shapes
-// (a symbolic dimension is the sequence's length): what a pass returns before it runs.
+// (a symbolic dimension is the sequence's length; web.json's shape where the graph gives none):
+// what a pass returns, known before it runs.
 function trace_bytes_of(meta) {
     const itemsize = { float32: 4, int64: 8, float16: 2, int32: 4 };
-    return T => meta.reduce((sum, o) => sum + (itemsize[o.type] || 4) *
-        o.shape.reduce((n, d) => n * (typeof d === "number" ? d : T), 1), 0);
+    const listed = new Map(manifest.records.map(r => [r.name, r.shape || []]));
+    return T => meta.reduce((sum, o) => {
+        const shape = o.shape.length ? o.shape : listed.get(o.name) || [];
+        return sum + (itemsize[o.type] || 4) *
+            shape.reduce((n, d) => n * (typeof d === "number" ? d : T), 1);
+    }, 0);
 }
 
 // The longest prompt whose trace stays within the limit (its bytes grow with T).
