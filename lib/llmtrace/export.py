@@ -82,14 +82,7 @@ class _Graph(torch.nn.Module):
     def __init__(self, model: Model):
         super().__init__()
         self.config = model.config
-        for name, tensor in state_dict_from_weights(model.config, model.weights).items():
-            *path, leaf = name.split(".")
-            module = self
-            for part in path:
-                if not hasattr(module, part):
-                    module.add_module(part, torch.nn.Module())
-                module = getattr(module, part)
-            module.register_buffer(leaf, tensor)
+        _buffers(self, state_dict_from_weights(model.config, model.weights))
 
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         c = self.config
@@ -99,6 +92,43 @@ class _Graph(torch.nn.Module):
         # a new attribute: torch.export puts back the ones the module had before it ran
         self.records = trace.records
         return tuple(r.tensor for r in trace.records)
+
+
+def _buffers(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Each tensor a buffer under its dotted name (`model.norm.weight`), in nested modules."""
+    for name, tensor in tensors.items():
+        *path, leaf = name.split(".")
+        inner = module
+        for part in path:
+            if not hasattr(inner, part):
+                inner.add_module(part, torch.nn.Module())
+            inner = getattr(inner, part)
+        inner.register_buffer(leaf, tensor)
+
+
+class _Lens(torch.nn.Module):
+    """The logit lens, `lens.lens_grid`, as a module: the residual stream after every layer
+    [L, 1, T, D] -> the most likely token after each layer at each position [L, T], and its
+    probability [L, T]. Its two weights carry their HF names, which the main graph's data file
+    holds: the page runs it on the same chunks (`export_lens`)."""
+
+    def __init__(self, model: Model):
+        super().__init__()
+        self.config = model.config
+        _buffers(self, {hf_name("final_norm"): model.weights.final_norm,
+                        hf_name("embed"): model.weights.lm_head})
+
+    def forward(self, resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from types import SimpleNamespace
+
+        from .lens import lens_grid
+
+        buffers = dict(self.named_buffers())
+        weights = SimpleNamespace(final_norm=buffers[hf_name("final_norm")],
+                                  lm_head=buffers[hf_name("embed")])
+        streams = {f"layers.{i}.resid_out": resid[i] for i in range(self.config.n_layers)}
+        grid = lens_grid(SimpleNamespace(weights=weights, config=self.config), streams)
+        return grid.top_ids, grid.top_probs  # [L, T] each
 
 
 def check_exportable(model: Model) -> None:
@@ -164,6 +194,78 @@ def export_onnx(model: Model, path: Path) -> list[dict]:
         raise LlmTraceError(f"the exporter wrote no {path.name}.data beside {path}: its onnx "
                             f"version differs from the pinned one; reinstall the requirements")
     return records
+
+
+LENS_INPUT, LENS_OUTPUTS = "resid", ["lens.top_ids", "lens.top_probs"]
+
+
+def export_lens(model: Model, d: Path, quantized: bool) -> dict[str, dict]:
+    """The logit lens (`_Lens`) exported beside each main graph in d (`lens-fp32.onnx` beside
+    `model-fp32.onnx`; `lens.onnx` beside `model.onnx`, its head the 8-bit MatMulNBits on the
+    Q8_0 table), holding no data of its own: each initializer points into the main graph's data
+    file, at the main graph's own offsets, so the page hands both sessions the same joined
+    chunks. Returns each main graph's lens entry for its manifest."""
+    import onnx
+    import onnx_ir as ir
+
+    c = model.config
+    example = torch.zeros(c.n_layers, 1, 6, c.hidden_size)  # [L, 1, T, D]
+    T = torch.export.Dim("T", min=1, max=c.max_positions)
+    with _quiet():
+        exported = torch.export.export(_Lens(model).eval(), (example,), strict=False,
+                                       dynamic_shapes={"resid": {2: T}})
+        program = torch.onnx.export(exported, dynamo=True, verbose=False, optimize=False,
+                                    input_names=[LENS_INPUT], output_names=LENS_OUTPUTS)
+    lens = program.model
+    lens.graph.inputs[0].shape = ir.Shape([c.n_layers, 1, "T", c.hidden_size])
+    for value in lens.graph.outputs:
+        value.shape = ir.Shape([c.n_layers, "T"])
+    entries = {}
+    for main, name, quantize in ((FP32_GRAPH, "lens-fp32.onnx", False),
+                                 (GRAPH, "lens.onnx", True)):
+        if quantize and not quantized:
+            continue
+        graph = ir.from_proto(ir.to_proto(lens))  # a copy to change
+        if quantize:
+            _lens_head_from_table(graph.graph, c)
+        proto = ir.to_proto(graph)
+        held = {i.name: i for i in onnx.load(str(d / main), load_external_data=False)
+                .graph.initializer}
+        for init in proto.graph.initializer:  # the main graph's own bytes, by name
+            init.CopyFrom(held[init.name])
+        onnx.save(proto, str(d / name))
+        entries[main] = {"graph": _entry(d / name), "input": LENS_INPUT,
+                         "input_shape": [c.n_layers, 1, "T", c.hidden_size],
+                         "outputs": LENS_OUTPUTS}
+    return entries
+
+
+def _lens_head_from_table(g, c) -> None:
+    """Each of the lens's head products (Gemm with embed_tokens, transposed) read from the
+    Q8_0 table, as the main graph's head reads it."""
+    import onnx_ir as ir
+
+    names = {v.name: v for v in g.initializers.values()}
+    table = ir.Value(name="model.embed_tokens.q8", const_value=ir.tensor(
+        np.zeros((c.vocab_size, c.hidden_size // BLOCK, BLOCK), np.uint8)))
+    scales = ir.Value(name="model.embed_tokens.scales_flat", const_value=ir.tensor(
+        np.zeros(c.vocab_size * c.hidden_size // BLOCK, np.float32)))
+    g.register_initializer(table)
+    g.register_initializer(scales)
+    for node in [n for n in g if n.op_type == "Gemm"]:
+        x, w = node.inputs[:2]
+        attrs = {k: a.value for k, a in node.attributes.items()}
+        plain = {"transA": 0, "transB": 1, "alpha": 1.0, "beta": 1.0}
+        if w is not names[hf_name("embed")] or any(i is not None for i in node.inputs[2:]) \
+                or any(attrs.get(k, 0 if k == "transA" else 1) != v for k, v in plain.items()):
+            raise LlmTraceError(f"the lens's head is not x @ embed_tokens^T ({attrs})")
+        new = ir.node("MatMulNBits", [x, table, scales], domain="com.microsoft",
+                      attributes={"K": c.hidden_size, "N": c.vocab_size, "bits": 8,
+                                  "block_size": BLOCK})
+        g.insert_before(node, new)
+        _rename(node, new, g)
+    del g.initializers[hf_name("embed")]
+    g.opset_imports["com.microsoft"] = 1
 
 
 def _trace_of(model: Model, ids: torch.Tensor) -> Trace:
@@ -243,10 +345,11 @@ def session_options(threads: int = 1):
     return options
 
 
-def session(d: Path, threads: int = 1, web: dict | str = MANIFEST):
-    """An onnxruntime session on an exported graph (web.json's form, or another manifest's),
-    its external data read as the page reads it: every chunk checked (`verify`, unless the
-    manifest's content is given), joined in memory, handed over under its one file name."""
+def session(d: Path, threads: int = 1, web: dict | str = MANIFEST, graph: str = ""):
+    """An onnxruntime session on an exported graph (web.json's form, or another manifest's;
+    `graph="lens"` for its lens), its external data read as the page reads it: every chunk
+    checked (`verify`, unless the manifest's content is given), joined in memory, handed over
+    under its one file name."""
     import onnxruntime as ort
 
     web = verify(d, web) if isinstance(web, str) else web
@@ -256,7 +359,8 @@ def session(d: Path, threads: int = 1, web: dict | str = MANIFEST):
     options = session_options(threads)
     options.add_external_initializers_from_files_in_memory([web["external_data"]], [data],
                                                            [len(data)])
-    return ort.InferenceSession((d / web["graph"]["file"]).read_bytes(), options,
+    entry = web["lens"]["graph"] if graph == "lens" else web["graph"]
+    return ort.InferenceSession((d / entry["file"]).read_bytes(), options,
                                 providers=["CPUExecutionProvider"])
 
 
@@ -318,10 +422,12 @@ def write_web(model: Model, d: Path, label: str | None = None, blocks: dict | No
             "config": config_for_page(model), "exported_with": versions()}
     if blocks is not None:  # before the fp32 data is cut into chunks: it reads that file
         quantize_graph(d / FP32_GRAPH, d / GRAPH, blocks, model)
-    fp32 = _form(model, d, d / FP32_GRAPH, "fp32", head)
+    lens = export_lens(model, d, quantized=blocks is not None)
+    fp32 = _form(model, d, d / FP32_GRAPH, "fp32", {**head, "lens": lens[FP32_GRAPH]})
     web = fp32
     if blocks is not None:
-        web = {**_form(model, d, d / GRAPH, QUANTIZED, head), "fp32": FP32_MANIFEST}
+        web = {**_form(model, d, d / GRAPH, QUANTIZED, {**head, "lens": lens[GRAPH]}),
+               "fp32": FP32_MANIFEST}
         (d / FP32_MANIFEST).write_text(json.dumps(fp32, indent=1))
     web["export_seconds"] = round(time.perf_counter() - started, 1)
     (d / MANIFEST).write_text(json.dumps(web, indent=1))
@@ -333,7 +439,8 @@ def verify(d: Path, manifest: str = MANIFEST) -> dict:
     and SHA-256 (what the page checks before it runs anything)."""
     try:
         web = json.loads((d / manifest).read_text())
-        files = [web["graph"], *web["chunks"], web["tokenizer"], web["tokenizer_config"]]
+        files = [web["graph"], *web["chunks"], web["tokenizer"], web["tokenizer_config"],
+                 *([web["lens"]["graph"]] if "lens" in web else [])]
     except (OSError, ValueError, KeyError, TypeError):
         raise LlmTraceError(f"{d / manifest} is missing or unreadable: "
                             f"make it again with python -m llmtrace.export") from None
@@ -557,7 +664,8 @@ def place(d: Path, out: Path) -> None:
     names = []
     for manifest in manifests(d):
         web = verify(d, manifest)
-        files = [web["graph"], *web["chunks"], web["tokenizer"], web["tokenizer_config"]]
+        files = [web["graph"], *web["chunks"], web["tokenizer"], web["tokenizer_config"],
+                 *([web["lens"]["graph"]] if "lens" in web else [])]
         names += [f["file"] for f in files] + [manifest]
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
