@@ -48,9 +48,17 @@ def site(tmp_path_factory):
     web = HTML / WEB / "web.json"
     assert web.is_file(), f"no model export in the built book ({web}): run `make book`"
     root = tmp_path_factory.mktemp("site") / "html"
-    shutil.copytree(HTML, root, copy_function=os.link)
+    shutil.copytree(HTML, root, copy_function=link)
     (root / WEB / MISSING).unlink()
     return root
+
+
+def link(src, dst) -> None:
+    """A hard link (a copy where the temporary directory is on another file system)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +89,7 @@ RUN = """llmtrace.run({prompt}, {{maxNewTokens: {n}}}).then(r => ({{
 def runs(page, site, embedded):
     """The chunk put back, then the three prompts run in the page (the first loads the model)."""
     browser, _, _ = page
-    os.link(HTML / WEB / MISSING, site / WEB / MISSING)
+    link(HTML / WEB / MISSING, site / WEB / MISSING)
     return {p: js(browser, RUN.format(prompt=json.dumps(p), n=n)) for p, n in PROMPTS.items()}
 
 
@@ -97,7 +105,11 @@ def test_after_the_chunk_is_back_the_next_run_works(runs, page):
     browser, _, _ = page
     first = runs[next(iter(PROMPTS))]
     assert first["timings"]["load_ms"] > 0 and len(first["records"]) > 100
-    assert browser.js("document.getElementById('lt-status').textContent").startswith("ready:")
+    status = browser.js("document.getElementById('lt-status').textContent")
+    assert status.startswith("ready:")
+    # the page states which weights run and the tolerance its logits are checked to
+    stated = browser.js("[llmtrace.info.weights, String(llmtrace.info.tolerance.logits)]")
+    assert f"weights {stated[0]}" in status and f"within {stated[1]} of the book's" in status
 
 
 @pytest.mark.parametrize("prompt", list(PROMPTS))
@@ -249,7 +261,7 @@ def test_a_cut_or_altered_chunk_is_one_line(page, runs, site, change, line):
         })""")
     finally:
         chunk.unlink()
-        os.link(HTML / WEB / chunk.name, chunk)
+        link(HTML / WEB / chunk.name, chunk)
     assert got.startswith(line) and "\n" not in got, got
     assert js(browser, 'llmtrace.run("Hi").then(r => r.ids.length)') == 1
 
