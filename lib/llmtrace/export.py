@@ -7,12 +7,17 @@ library's pass, traced, not a second implementation of it.
 
 What the page loads, made once from the embedded model and kept in `$LLMTRACE_CACHE/web/<key>/`
 (the key changes with the weights, the library's code and the exporter's versions):
-- `model.onnx`, whose initializers live in one external file, `model.onnx.data`, stored here in
-  chunks of at most 50 MB (`model.onnx.data.000`, ...) that static hosts serve; the page checks
-  each chunk's size and SHA-256, joins them and hands the whole buffer over as `model.onnx.data`;
+- `model.onnx`, the page's form: the same graph with the GGUF's own blocks for weights (Q4_1 as
+  MatMulNBits, the Q8_0 table as GatherBlockQuantized and an 8-bit MatMulNBits), 120 MB; its
+  initializers live in one external file, `model.onnx.data`, stored here in chunks of at most
+  50 MB (`model.onnx.data.000`, ...) that static hosts serve; the page checks each chunk's size
+  and SHA-256, joins them and hands the whole buffer over as `model.onnx.data`;
+- `model-fp32.onnx` and its chunks, the fp32 graph as exported (540 MB), kept beside it;
+- `lens.onnx` (and `lens-fp32.onnx`): the logit lens, `lens.lens_grid` exported, which reads
+  its two weights from the main graph's data file, so it runs on the same chunks;
 - `tokenizer.json` (the model's own) and `tokenizer_config.json` (BOS, EOS, whether BOS is added);
-- `web.json`, the page's manifest, written last: files, sizes, hashes, the records, the config,
-  and how far onnxruntime's logits were from the trace's when it was made.
+- `web.json` (and `web-fp32.json`), the page's manifest, written last: files, sizes, hashes, the
+  records, the config, and how far onnxruntime's logits were from the trace's when it was made.
 
 `python -m llmtrace.export [--out DIR]` makes them (or finds them made) and prints where they are.
 """
@@ -211,11 +216,15 @@ def export_lens(model: Model, d: Path, quantized: bool) -> dict[str, dict]:
     c = model.config
     example = torch.zeros(c.n_layers, 1, 6, c.hidden_size)  # [L, 1, T, D]
     T = torch.export.Dim("T", min=1, max=c.max_positions)
-    with _quiet():
-        exported = torch.export.export(_Lens(model).eval(), (example,), strict=False,
-                                       dynamic_shapes={"resid": {2: T}})
-        program = torch.onnx.export(exported, dynamo=True, verbose=False, optimize=False,
-                                    input_names=[LENS_INPUT], output_names=LENS_OUTPUTS)
+    try:
+        with _quiet():  # no optimizer: it would fold embed_tokens^T into a matrix of its own
+            exported = torch.export.export(_Lens(model).eval(), (example,), strict=False,
+                                           dynamic_shapes={"resid": {2: T}})
+            program = torch.onnx.export(exported, dynamo=True, verbose=False, optimize=False,
+                                        input_names=[LENS_INPUT], output_names=LENS_OUTPUTS)
+    except Exception as e:  # as in export_onnx
+        raise LlmTraceError(f"{model.name}: the logit lens cannot be exported to ONNX "
+                            f"({type(e).__name__}: {first_line(e)[:160]})") from None
     lens = program.model
     lens.graph.inputs[0].shape = ir.Shape([c.n_layers, 1, "T", c.hidden_size])
     for value in lens.graph.outputs:
@@ -443,19 +452,19 @@ def verify(d: Path, manifest: str = MANIFEST) -> dict:
                  *([web["lens"]["graph"]] if "lens" in web else [])]
     except (OSError, ValueError, KeyError, TypeError):
         raise LlmTraceError(f"{d / manifest} is missing or unreadable: "
-                            f"make it again with python -m llmtrace.export") from None
+                            f"make it again with python -m llmtrace.export --rebuild") from None
+    again = "make the export again (python -m llmtrace.export --rebuild)"
     for f in files:
         path = d / f["file"]
         if not path.is_file():
-            raise LlmTraceError(f"{path} is missing: make the export again "
-                                f"(python -m llmtrace.export)")
+            raise LlmTraceError(f"{path} is missing: {again}")
         size = path.stat().st_size
         if size != f["size"]:
             raise LlmTraceError(f"{path} has {size:,} bytes, not {f['size']:,}: it was cut short "
-                                f"or changed; make the export again (python -m llmtrace.export)")
+                                f"or changed; {again}")
         if sha256(path) != f["sha256"]:
             raise LlmTraceError(f"{path} does not have the SHA-256 {manifest} gives: it changed; "
-                                f"make the export again (python -m llmtrace.export)")
+                                f"{again}")
     return web
 
 
