@@ -74,10 +74,11 @@ $(PAGE_JS):
 		dist/tokenizers.min.mjs $(CURDIR)/book/_static/tokenizers/
 	cp $(LLMTRACE_CACHE)/npm-page/node_modules/onnxruntime-web/dist/ort.wasm.min.mjs $@
 
-# The page's model (llmtrace.export): the forward pass in ONNX, the embedded model's weights in
-# chunks of at most 50 MB, its tokenizer and web.json, made once into $(LLMTRACE_CACHE)/web/ (about
-# 35 s; reused while the library, the weights and the exporter stay the same), never committed;
-# WEB_PLACE links them into the built book once jupyter-book has built it
+# The page's model (llmtrace.export): the forward pass and the logit lens in ONNX, the embedded
+# model's own Q4_1/Q8_0 blocks (fp32 beside them) in chunks of at most 50 MB, its tokenizer and
+# web.json, made once into $(LLMTRACE_CACHE)/web/ (about a minute; reused while the library, the
+# weights and the exporter stay the same), never committed; WEB_PLACE links them into the built
+# book once jupyter-book has built it
 .PHONY: web
 WEB_PLACE := $(PY) -m llmtrace.export --out _build/html/_static/web
 web: setup
