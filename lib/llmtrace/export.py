@@ -639,7 +639,8 @@ def web_dir(rebuild: bool = False) -> Path:
             from .load import load_model
             from .weights.gguf import EMBEDDED_FILE, embedded_gguf_path, read_blocks
 
-            check_writable(root, 2 * 560 * 2**20)  # the data file, then its chunks
+            # at the peak: the fp32 data file and its chunks, the blocks' file and its chunks
+            check_writable(root, 1400 * 2**20)
             model = load_model("embedded")
             with atomic_path(target, directory=True) as tmp:
                 write_web(model, tmp, label=EMBEDDED_FILE.split(".")[0],
@@ -655,6 +656,7 @@ def _prune(root: Path, target: Path) -> None:
     done.sort(key=lambda d: (d == target, (d / "manifest.json").stat().st_mtime), reverse=True)
     for old in done[KEEP:]:
         shutil.rmtree(old, ignore_errors=True)
+        (root / f".lock-{old.name}").unlink(missing_ok=True)
 
 
 def manifests(d: Path) -> list[str]:
