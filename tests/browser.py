@@ -23,7 +23,8 @@ class Browser:
     def __init__(self):
         exe = shutil.which("chromium")
         assert exe, "Chromium is not installed: run `make browser` (Debian's chromium package)"
-        self.profile = tempfile.TemporaryDirectory()
+        # Chromium's own children may still write to the profile as it is removed
+        self.profile = tempfile.TemporaryDirectory(ignore_cleanup_errors=True)
         to_chrome, self._out = os.pipe()
         self._in, from_chrome = os.pipe()
         self.proc = subprocess.Popen(

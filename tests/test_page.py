@@ -22,6 +22,7 @@ import torch
 from bench.serve import serve
 from browser import Browser
 from llmtrace import generate
+from llmtrace.lens import lens_grid
 from llmtrace.sampling import warp
 from llmtrace.tokenize import display_piece
 
@@ -39,6 +40,11 @@ TOKENIZER_STRINGS = [
     "new\nlines\n\n\nand\r\nCRLF", "digits 1234567890, 3.14159 and 2026-12-01",
     "<|im_start|>user\nHi<|im_end|>", " leading and trailing  ", "x",
 ]
+
+def manifest() -> dict:
+    return json.loads((HTML / WEB / "web.json").read_text())
+
+
 MISSING = "model.onnx.data.001"  # removed before the page opens, put back before the first run
 
 
@@ -47,6 +53,7 @@ def site(tmp_path_factory):
     """The built book, hard-linked into a temporary directory, with one weight chunk removed."""
     web = HTML / WEB / "web.json"
     assert web.is_file(), f"no model export in the built book ({web}): run `make book`"
+    assert MISSING in [c["file"] for c in manifest()["chunks"]]
     root = tmp_path_factory.mktemp("site") / "html"
     shutil.copytree(HTML, root, copy_function=link)
     (root / WEB / MISSING).unlink()
@@ -139,6 +146,23 @@ def test_the_page_computes_what_python_computes(runs, page, embedded, prompt):
     assert r["generated"] == g.new_ids
 
 
+@pytest.mark.parametrize("prompt", list(PROMPTS)[:2])  # all its positions, then the last few
+def test_the_pages_logit_lens_is_the_librarys(page, runs, clicked, embedded, prompt):
+    """The first prompt's lens is the one Run computed (`clicked`); the second's, longer than
+    the positions the lens shows, is asked for."""
+    browser = page[0]
+    got = js(browser, "llmtrace.lens()" if prompt == clicked
+             else f"llmtrace.run({json.dumps(prompt)}).then(() => llmtrace.lens())")
+    _, trace = embedded.run(prompt)
+    grid = lens_grid(embedded, trace)  # [L, T] each
+    T, shown = grid.top_ids.shape[1], browser.js("llmtrace.info.lens.positions")
+    assert got["positions"] == list(range(max(0, T - shown), T))
+    assert got["ids"] == grid.top_ids[:, got["positions"]].tolist()
+    probs = torch.tensor(got["probs"]) - grid.top_probs[:, got["positions"]]
+    assert float(probs.abs().max()) < 1e-4
+    assert got["pieces"][-1][-1] == display_piece(embedded.tokenizer, got["ids"][-1][-1])
+
+
 def test_the_tokenizer_gives_pythons_ids(page, runs, embedded):
     browser = page[0]
     got = js(browser, f"Promise.all({json.dumps(TOKENIZER_STRINGS)}.map(llmtrace.encode))")
@@ -157,10 +181,10 @@ def test_the_pages_sampler_keeps_what_the_library_keeps(page, runs, temperature,
 
 
 def test_a_sampled_continuation_follows_its_seed(page, runs):
-    run = """llmtrace.run("Once upon a time", {{maxNewTokens: 6, temperature: 0.9, topK: 40,
+    run = """llmtrace.run("Once upon a time", {{maxNewTokens: 4, temperature: 0.9, topK: 40,
         topP: 0.95, seed: {seed}}}).then(r => r.generated)"""
     a, b, c = (js(page[0], run.format(seed=s)) for s in (7, 7, 8))
-    assert a == b and len(a) == 6
+    assert a == b and len(a) == 4
     assert a != c
 
 
@@ -181,7 +205,16 @@ def test_bad_input_is_one_line_and_the_next_run_works(page, runs, prompt, opts, 
     assert js(browser, 'llmtrace.run("Hi").then(r => r.ids.length)') == 1
 
 
-def test_a_second_run_while_one_is_going_is_refused(page, runs):
+@pytest.fixture(scope="module")
+def clicked(page, runs):
+    """Run pressed twice at once on the page, with the first prompt: the second press is
+    refused, the first one's results (the lens too) are shown. -> the prompt."""
+    prompt = next(iter(PROMPTS))
+    page[2]["clicked"] = click_run(page[0], prompt, twice=True)
+    return prompt
+
+
+def test_a_second_run_while_one_is_going_is_refused(page, runs, clicked):
     browser = page[0]
     first, second = js(browser, """(async () => {
         const a = llmtrace.run("The capital of Italy is", {maxNewTokens: 3});
@@ -190,10 +223,10 @@ def test_a_second_run_while_one_is_going_is_refused(page, runs):
     })()""")
     assert 1 <= first <= 3 and second.startswith("a run is already going")
     # the same by the button: the line on the page, and the first run's results in place
-    refused, after = click_run(browser, "The capital of Germany is", twice=True)
+    refused, after = page[2]["clicked"]
     assert refused.startswith("a run is already going") and after == refused
     top = browser.js("document.querySelector('#lt-top tbody td:nth-child(2)').textContent")
-    assert top == runs["The capital of Germany is"]["top"][0]["piece"].replace(" ", "␣")
+    assert top == runs[clicked]["top"][0]["piece"].replace(" ", "␣")
 
 
 def click_run(browser, prompt: str, twice: bool = False) -> list[str]:
@@ -213,13 +246,11 @@ def click_run(browser, prompt: str, twice: bool = False) -> list[str]:
     }})()""")
 
 
-def test_the_page_shows_the_trace(page, runs, embedded):
+def test_the_page_shows_the_trace(page, runs, clicked, embedded):
     """After a Run by the button: the tokens, the data flow folded by layer (one fold a layer,
-    a row a record), a record's histogram and the attention pattern drawn by plotly.js; a new
-    layer chosen redraws it; nothing wider than the window."""
-    browser = page[0]
-    prompt = "The capital of Germany is"
-    assert click_run(browser, prompt) == ["", ""]
+    a row a record), a record's histogram, the logit lens and the attention pattern drawn by
+    plotly.js; a new layer chosen redraws the attention; nothing wider than the window."""
+    browser, prompt = page[0], clicked
     seen = js(browser, """(async () => {
         const el = id => document.getElementById(id);
         const drawn = id => el(id).querySelector(".main-svg") !== null;
@@ -231,25 +262,28 @@ def test_the_page_shows_the_trace(page, runs, embedded):
                 folds: el("lt-flow").querySelectorAll("details").length,
                 rows: el("lt-flow").querySelectorAll("tbody tr").length,
                 histogram: drawn("lt-record-plot"), attention: drawn("lt-attn-plot"),
+                lens: drawn("lt-lens-plot"),
                 redrawn: el("lt-attn-plot").innerHTML !== before,
                 wide: document.documentElement.scrollWidth - innerWidth};
     })()""")
     n_records = len(runs[prompt]["records"])
     assert seen["tokens"] == len(embedded.encode(prompt)[0])
     assert seen["folds"] == embedded.config.n_layers and seen["rows"] == n_records
-    assert seen["histogram"] and seen["attention"] and seen["redrawn"]
+    assert seen["histogram"] and seen["attention"] and seen["lens"] and seen["redrawn"]
     assert seen["wide"] <= 0
 
 
 @pytest.mark.parametrize("change, line", [
-    ("cut", "weight chunk model.onnx.data.000 is cut short: 1000000 of 50000000 bytes"),
-    ("alter", "weight chunk model.onnx.data.000 was altered: its SHA-256 is"),
+    ("cut", "weight chunk {file} is cut short: 1000000 of {size} bytes"),
+    ("alter", "weight chunk {file} was altered: its SHA-256 is"),
 ])
 def test_a_cut_or_altered_chunk_is_one_line(page, runs, site, change, line):
     """A fresh copy of the page's worker loads from a chunk cut short or altered (a copy in
     place of the hard link); the page's own model goes on working."""
     browser = page[0]
-    chunk = site / WEB / "model.onnx.data.000"
+    first = manifest()["chunks"][0]
+    line = line.format(**first)
+    chunk = site / WEB / first["file"]
     data = (HTML / WEB / chunk.name).read_bytes()[: 1_000_000 if change == "cut" else None]
     chunk.unlink()
     chunk.write_bytes(data if change == "cut" else bytes([data[0] ^ 1]) + data[1:])

@@ -107,25 +107,38 @@ function ready_line(i) {
         `${mb(i.trace_limit)}, this page's memory limit)`;
 }
 
-async function run(prompt, opts = {}) {
+// One thing at a time in the model's worker: a second one asked meanwhile is refused.
+async function exclusive(fn) {
     if (busy) throw new Error(BUSY);
     busy = true;
     try {
-        check_options(opts);
-        if (!info) {
-            llmtrace.ready = load();
-            await llmtrace.ready;
-        }
-        show_status("running…");
-        const r = await ask("run", { prompt, opts });
-        r.timings.load_ms = load_ms;
-        r.value = name => r.values[name];
-        return r;
+        return await fn();
     } finally {
         busy = false;
         if (info) show_status(ready_line(info));
     }
 }
+
+async function run_now(prompt, opts) {
+    check_options(opts);
+    if (!info) {
+        llmtrace.ready = load();
+        await llmtrace.ready;
+    }
+    show_status("running…");
+    const r = await ask("run", { prompt, opts });
+    r.timings.load_ms = load_ms;
+    r.value = name => r.values[name];
+    return r;
+}
+
+function lens_now() {
+    show_status("computing the logit lens…");
+    return ask("lens");
+}
+
+const run = (prompt, opts = {}) => exclusive(() => run_now(prompt, opts));
+const lens = () => exclusive(lens_now);
 
 // --- what the page shows --------------------------------------------------------------------
 
@@ -320,10 +333,40 @@ async function show_attention(r) {
     }
 }
 
-function show_lens(r) {
-    $("lt-lens").replaceChildren(cell("p", "This export gives the page neither the final " +
-        "norm's weight nor the embedding matrix as outputs of its graph, so the page does not " +
-        "compute the logit lens; the book's chapter on the stack shows it for the book's prompt."));
+// The logit lens: after each layer (a row), at each position (a column), the most likely next
+// token and its probability, from the export's lens graph on the run's residual streams.
+async function show_lens(r, l) {
+    const el = $("lt-lens");
+    const P = l.positions.length;
+    const part = l.first > 0 ? `the last ${P} of the prompt's ${r.ids.length} positions`
+        : `all ${P} positions`;
+    el.replaceChildren(cell("p", `After each layer, at ${part}: the most likely next token ` +
+        `and its probability (computed in ${(l.lens_ms / 1000).toFixed(2)} s).`));
+    const labels = l.positions.map(i => `${i}: ${visible(r.pieces[i])}`);
+    const layers = l.ids.map((_, i) => `layer ${i}`);
+    try {
+        const Plotly = await with_plotly();
+        await Plotly.react("lt-lens-plot", [{
+            type: "heatmap", z: l.probs, x: labels, y: layers, colorscale: "Blues",
+            zmin: 0, zmax: 1, text: l.pieces.map(row => row.map(visible)),
+            texttemplate: "%{text}", textfont: { size: 12 },
+            hovertemplate: "%{y}, position %{x}<br>top token %{text}<br>p %{z:.4f}<extra></extra>",
+            colorbar: { title: { text: "p" } },
+        }], {
+            height: 160 + 20 * layers.length, font: FONT,
+            margin: { l: 70, r: 10, t: 35, b: 110 },
+            title: { text: "the logit lens: the top token after each layer", font: FONT },
+            xaxis: { title: { text: "position (its piece)" }, tickangle: -30 },
+            yaxis: { title: { text: "layer" }, autorange: "reversed" },
+        }, { displaylogo: false, responsive: true });
+    } catch (e) {
+        show_error(e.message);
+    }
+}
+
+function no_lens() {
+    $("lt-lens").replaceChildren(cell("p", "This export has no logit lens graph, so the page " +
+        "does not show the lens; rebuild the book's model files with `make book`."));
 }
 
 function show(r, opts) {
@@ -333,7 +376,8 @@ function show(r, opts) {
     show_continuation(r, opts);
     show_flow(r);
     show_attention_controls(r);
-    show_lens(r);
+    $("lt-lens").replaceChildren(cell("p", info.lens ? "computing the logit lens…" : ""));
+    if (!info.lens) no_lens();
     const t = r.timings;
     $("lt-timing").textContent = `The whole trace (${r.records.length} records) took ` +
         `${(t.prefill_ms / 1000).toFixed(2)} s in this page; ${r.model}, weights ${r.weights}.`;
@@ -364,8 +408,11 @@ async function on_run() {
     let opts;
     try {
         opts = form_options();
-        const r = await run($("lt-prompt").value, opts);
-        await show(r, opts);
+        await exclusive(async () => {
+            const r = await run_now($("lt-prompt").value, opts);
+            await show(r, opts);
+            if (info.lens) await show_lens(r, await lens_now());
+        });
     } catch (e) {
         show_error(e.message);
         if (!info) show_status("the model is not loaded: press Run to try again");
@@ -393,6 +440,7 @@ function setup() {
 // the API: `ready` is replaced by a new load when a Run follows a failed one
 const llmtrace = window.llmtrace = {
     ready: null, run,
+    lens,  // -> the last run's logit lens: {positions, ids, probs, pieces} [layer][position]
     encode: text => ask("encode", { text }),  // -> the prompt's ids (no model needed)
     warp: (logits, opts) => {  // logits [V] -> {probs [V], kept ids}, as a run samples them
         const p = warp(Float32Array.from(logits), check_options(opts));

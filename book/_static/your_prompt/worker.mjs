@@ -20,6 +20,12 @@ const WEB = new URL("../web/", import.meta.url);  // the export, copied into the
 const TRACE_LIMIT = 256 * 2 ** 20;
 
 let manifest = null, tokenizer = null, session = null, info = null;
+let lens_session = null;          // the logit lens's graph, if the export has one
+let last_resid = null;            // the last run's layers.N.resid_out, stacked, for the lens
+let last_lens = null;             // and its lens, once computed
+// The lens reads the final norm and the head at every layer and position, which costs as much
+// as the head of a pass over L times the positions: the page shows it for the last few
+const LENS_POSITIONS = 8;
 let weights = null;               // the concatenated chunks, until the session holds them
 const verified = new Set();       // chunks already checked (a retry fetches only the others)
 let loading = null;               // the load under way, if any
@@ -158,9 +164,23 @@ async function load_weights(retry) {
     }
 }
 
+async function create(graph, what, path) {
+    try {
+        return await ort.InferenceSession.create(graph, {
+            executionProviders: ["wasm"],
+            externalData: [{ path, data: weights }],
+        });
+    } catch (e) {
+        fail(`onnxruntime-web could not load ${what} (${String(e.message || e).split("\n")[0]}` +
+             "): rebuild the book's model files with `make book`");
+    }
+}
+
 async function load_session(retry) {
     const graph = new Uint8Array(manifest.graph.size);
     await fetch_checked(manifest.graph, graph, "the graph", retry);
+    const lens = manifest.lens ? new Uint8Array(manifest.lens.graph.size) : null;
+    if (lens) await fetch_checked(manifest.lens.graph, lens, "the logit lens's graph", retry);
     const isolated = self.crossOriginIsolated === true;
     ort.env.wasm.wasmPaths = new URL("../ort/", import.meta.url).href;
     ort.env.wasm.numThreads = isolated ? navigator.hardwareConcurrency : 1;
@@ -168,15 +188,10 @@ async function load_session(retry) {
     progress("the graph: compiling it for WebAssembly");
     const path = typeof manifest.external_data === "string" ? manifest.external_data
         : (manifest.external_data && manifest.external_data.file) || "model.onnx.data";
-    try {
-        session = await ort.InferenceSession.create(graph, {
-            executionProviders: ["wasm"],
-            externalData: [{ path, data: weights }],
-        });
-    } catch (e) {
-        fail(`onnxruntime-web could not load the graph (${String(e.message || e).split("\n")[0]}` +
-             "): rebuild the book's model files with `make book`");
-    }
+    const main = await create(graph, "the graph", path);
+    // the lens's graph has no weights of its own: it reads the same external data
+    lens_session = lens ? await create(lens, "the logit lens's graph", path) : null;
+    session = main;
     weights = null;  // onnxruntime holds its own copy now
     const meta = session.outputMetadata.filter(o => o.isTensor);
     const bytes = trace_bytes_of(meta);
@@ -208,6 +223,7 @@ async function load(retry) {
         isolated: s.isolated, longest_prompt: s.longest, trace_limit: TRACE_LIMIT,
         versions: { onnxruntime_web: ort.env.versions.web },
         downloaded, worker_ms: performance.now() - started,
+        lens: lens_session ? { positions: LENS_POSITIONS } : null,
     };
     trace_bytes = s.bytes_for;
     return info;
@@ -303,6 +319,8 @@ async function run(prompt, opts) {
         transfer.push(v.buffer);
     }
     const logits = last_logits(out[manifest.logits]);
+    last_resid = stack_resid(values, ids.length);
+    last_lens = null;
     for (const tensor of Object.values(out)) tensor.dispose();
 
     // the continuation: the graph again on the growing ids, only the logits fetched
@@ -336,6 +354,46 @@ async function run(prompt, opts) {
     };
 }
 
+// Every layer's residual stream out, [L, 1, T, D] layer-major: the lens graph's input.
+function stack_resid(values, T) {
+    const L = manifest.config.n_layers, D = manifest.config.hidden_size;
+    const stack = new Float32Array(L * T * D);
+    for (let i = 0; i < L; i++) stack.set(values[`layers.${i}.resid_out`], i * T * D);
+    return { stack, T };
+}
+
+// The logit lens of the last run over its last LENS_POSITIONS positions: after each layer, at
+// each position, the most likely token and its probability, from the export's lens graph.
+async function lens() {
+    if (!lens_session) {
+        fail("this export has no logit lens graph (web.json has no \"lens\"): rebuild the " +
+             "book's model files with `make book`");
+    }
+    if (!last_resid) fail("there is no run yet to read the lens from: run a prompt first");
+    if (last_lens) return last_lens;
+    const L = manifest.config.n_layers, D = manifest.config.hidden_size;
+    const { stack, T } = last_resid;
+    const first = Math.max(0, T - LENS_POSITIONS), P = T - first;
+    const resid = new Float32Array(L * P * D);  // the same layers, the last P positions
+    for (let i = 0; i < L; i++) {
+        resid.set(stack.subarray((i * T + first) * D, (i * T + T) * D), i * P * D);
+    }
+    const t = performance.now();
+    const [ids_name, probs_name] = manifest.lens.outputs;
+    const out = await lens_session.run({
+        [manifest.lens.input]: new ort.Tensor("float32", resid, [L, 1, P, D]) });
+    const flat_ids = Array.from(out[ids_name].data, Number);
+    const flat_p = Array.from(out[probs_name].data);
+    const rows = (flat, f) => Array.from({ length: L }, (_, l) =>
+        flat.slice(l * P, (l + 1) * P).map(f));
+    for (const tensor of Object.values(out)) tensor.dispose();
+    return last_lens = {
+        first, positions: Array.from({ length: P }, (_, j) => first + j),
+        ids: rows(flat_ids, x => x), probs: rows(flat_p, x => x),
+        pieces: rows(flat_ids, piece), lens_ms: performance.now() - t,
+    };
+}
+
 onmessage = async e => {
     const { id, kind } = e.data;
     try {
@@ -343,6 +401,8 @@ onmessage = async e => {
             postMessage({ id, ok: true, result: await ensure_loaded() });
         } else if (kind === "encode") {
             postMessage({ id, ok: true, result: await encode(e.data.text) });
+        } else if (kind === "lens") {
+            postMessage({ id, ok: true, result: await lens() });
         } else if (kind === "run") {
             const { result, transfer } = await run(e.data.prompt, e.data.opts);
             postMessage({ id, ok: true, result }, transfer);
