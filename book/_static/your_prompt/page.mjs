@@ -348,6 +348,7 @@ async function show_lens(r, l) {
         const Plotly = await with_plotly();
         await Plotly.react("lt-lens-plot", [{
             type: "heatmap", z: l.probs, x: labels, y: layers, colorscale: "Blues",
+            reversescale: true,  // the likelier, the darker
             zmin: 0, zmax: 1, text: l.pieces.map(row => row.map(visible)),
             texttemplate: "%{text}", textfont: { size: 12 },
             hovertemplate: "%{y}, position %{x}<br>top token %{text}<br>p %{z:.4f}<extra></extra>",
