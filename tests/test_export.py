@@ -307,3 +307,18 @@ def test_quantized_export_needs_the_ggufs_kinds(embedded):
     with pytest.raises(LlmTraceError) as err:
         export.quantize_graph(Path("unused.onnx"), Path("unused.onnx"), {}, embedded)
     assert "tied Q8_0 embedding and Q4_1 layers" in one_line(err)
+
+
+def test_each_node_names_its_source_from_the_package(web_dir):
+    """The graph's nodes keep the exporter's stack trace (its first frames: the library's
+    forward pass that made them), with paths from the package, none from this machine."""
+    import onnx
+
+    graph = onnx.load(str(web_dir / "model.onnx"), load_external_data=False).graph
+    traces = [p.value for n in graph.node for p in n.metadata_props
+              if p.key == "pkg.torch.onnx.stack_trace"]
+    assert len(traces) > 0.8 * len(graph.node)  # all but the outputs' Identity copies, shapes
+    assert not any('File "/' in t for t in traces)
+    softmax = next(n for n in graph.node if n.op_type == "Softmax")
+    where = next(p.value for p in softmax.metadata_props if p.key == "pkg.torch.onnx.stack_trace")
+    assert where.startswith('File "llmtrace/export.py"') and 'File "llmtrace/model.py"' in where

@@ -194,6 +194,7 @@ def export_onnx(model: Model, path: Path) -> list[dict]:
     types = {"float32": ir.DataType.FLOAT, "int64": ir.DataType.INT64}
     for value, r in zip(outputs, records):  # the exporter leaves renamed outputs untyped
         value.dtype, value.shape = types[r["dtype"]], ir.Shape(r["shape"])
+    _relative_sources(program.model.graph)
     program.save(str(path), external_data=True)
     if not path.with_name(path.name + ".data").is_file():
         raise LlmTraceError(f"the exporter wrote no {path.name}.data beside {path}: its onnx "
@@ -226,6 +227,7 @@ def export_lens(model: Model, d: Path, quantized: bool) -> dict[str, dict]:
         raise LlmTraceError(f"{model.name}: the logit lens cannot be exported to ONNX "
                             f"({type(e).__name__}: {first_line(e)[:160]})") from None
     lens = program.model
+    _relative_sources(lens.graph)
     lens.graph.inputs[0].shape = ir.Shape([c.n_layers, 1, "T", c.hidden_size])
     for value in lens.graph.outputs:
         value.shape = ir.Shape([c.n_layers, "T"])
@@ -275,6 +277,20 @@ def _lens_head_from_table(g, c) -> None:
         _rename(node, new, g)
     del g.initializers[hf_name("embed")]
     g.opset_imports["com.microsoft"] = 1
+
+
+def _relative_sources(graph) -> None:
+    """Each node keeps the source lines that made it (the exporter's stack trace), named from
+    the package (`llmtrace/model.py`), not from this machine's checkout or environment."""
+    import sysconfig
+
+    roots = [f"{Path(__file__).resolve().parents[1]}/", f"{sysconfig.get_path('purelib')}/"]
+    for node in graph:
+        trace = node.metadata_props.get("pkg.torch.onnx.stack_trace")
+        if trace is not None:
+            for root in roots:
+                trace = trace.replace(root, "")
+            node.metadata_props["pkg.torch.onnx.stack_trace"] = trace
 
 
 def _trace_of(model: Model, ids: torch.Tensor) -> Trace:
