@@ -192,7 +192,7 @@ def test_a_sampled_continuation_follows_its_seed(page, runs):
     ("", {}, "the prompt is empty: type at least one character"),
     ("a" + " a" * 8190, {"maxNewTokens": 5},
      "8191 prompt tokens + 5 new ones exceed the model's context of 8192"),
-    ("word " * 400, {}, "past this page's limit of 256.0 MB"),
+    ("word " * 400, {}, "past this page's limit of 512.0 MB"),
     ("Hi", {"maxNewTokens": 21}, "maxNewTokens must be a whole number from 0 to 20, got 21"),
     ("Hi", {"topP": 0}, "topP must be in (0, 1]"),
     ("Hi", {"top_k": 3}, "unknown option top_k: the options are maxNewTokens"),

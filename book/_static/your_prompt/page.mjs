@@ -269,7 +269,8 @@ async function show_record(r, name) {
     const first = Array.from(v.subarray(0, 8), x => fmt(x)).join(", ");
     $("lt-record").replaceChildren(
         cell("p", `${name}: ${rec.op}; shape [${rec.shape.join(", ")}], ${v.length} values, ` +
-                  `from ${fmt(lo)} to ${fmt(hi)}; norm (root of the sum of squares) ${fmt(Math.sqrt(sq))}`),
+                  `from ${fmt(lo)} to ${fmt(hi)}; norm (root of the sum of squares) ` +
+                  fmt(Math.sqrt(sq))),
         cell("p", `first values: ${first}${v.length > 8 ? ", …" : ""}`, "lt-text"));
     try {
         const Plotly = await with_plotly();

@@ -4,9 +4,9 @@
 // chunks (each checked by size and SHA-256), and onnxruntime-web's WebAssembly build. Every number
 // it returns comes out of the graph's outputs: the graph returns every record of the trace.
 //
-// Messages in: {id, kind: "load" | "encode" | "run", ...}; out: {id, ok, result | error}, and
-// {kind: "progress", text} while loading. An error is one line that says what was wrong and what
-// to do, shown as it is by the page.
+// Messages in: {id, kind: "load" | "encode" | "run" | "lens", ...}; out: {id, ok, result |
+// error}, and {kind: "progress", text} while loading. An error is one line that says what was
+// wrong and what to do, shown as it is by the page.
 
 import * as ort from "../ort/ort.wasm.min.mjs";
 import { Tokenizer } from "../tokenizers/tokenizers.min.mjs";
@@ -14,10 +14,11 @@ import { argmax, check_options, draw, mulberry32, top_tokens, warp } from "./sam
 
 const WEB = new URL("../web/", import.meta.url);  // the export, copied into the built book
 // The page's memory limit for one prompt's whole trace (every record's values, which the graph
-// returns and the page keeps to show): past it a prompt is refused, before anything runs. With
-// the fp32 weights the tab holds about 1.6 GB once loaded, and a trace takes about twice its size
-// while it is copied out of WebAssembly: this keeps the tab within 2 GB (bench/page.py measures)
-const TRACE_LIMIT = 256 * 2 ** 20;
+// returns and the page keeps to show): past it a prompt is refused, before anything runs. A
+// trace takes about twice its size while it is copied out of WebAssembly. Measured in headless
+// Chromium: with the 4-bit blocks the tab holds 0.6 GB once loaded, and 1.6 GB after a trace at
+// this limit (200 tokens), within 2 GB; with the fp32 weights it holds 1.6 GB once loaded
+const TRACE_LIMIT = 512 * 2 ** 20;
 
 let manifest = null, tokenizer = null, session = null, info = null;
 let lens_session = null;          // the logit lens's graph, if the export has one
@@ -97,7 +98,8 @@ async function fetch_checked(entry, into, what, retry) {
     const sha = hex(await crypto.subtle.digest("SHA-256", into));
     if (sha !== entry.sha256) {
         fail(`${what} ${entry.file} was altered: its SHA-256 is ${sha.slice(0, 12)}…, web.json ` +
-             `says ${entry.sha256.slice(0, 12)}…; rebuild the book's model files with \`make book\``);
+             `says ${entry.sha256.slice(0, 12)}…; rebuild the book's model files with ` +
+             "`make book`");
     }
 }
 
