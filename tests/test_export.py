@@ -322,3 +322,22 @@ def test_each_node_names_its_source_from_the_package(web_dir):
     softmax = next(n for n in graph.node if n.op_type == "Softmax")
     where = next(p.value for p in softmax.metadata_props if p.key == "pkg.torch.onnx.stack_trace")
     assert where.startswith('File "llmtrace/export.py"') and 'File "llmtrace/model.py"' in where
+
+
+def test_another_llama_exports_too(tiny, tmp_path):
+    """The export is the library's pass, not the embedded model's: the tiny random checkpoint
+    (2 layers, GQA 4/2, untied head) exports with the same records, and onnxruntime agrees."""
+    import onnxruntime as ort
+
+    records = export.export_onnx(tiny, tmp_path / "tiny.onnx")
+    ids = torch.tensor([[1, 5, 9, 300, 7, 2, 11]])  # [1, 7]
+    logits, trace = tiny.run(ids)
+    assert [r["name"] for r in records] == trace.names
+    sess = ort.InferenceSession(str(tmp_path / "tiny.onnx"), export.session_options(),
+                                providers=["CPUExecutionProvider"])
+    values = sess.run(None, {"ids": ids.numpy()})
+    for rec, value in zip(trace, values):
+        assert value.shape == rec.shape
+        if rec.tensor.is_floating_point():
+            assert relative_error(rec.tensor.numpy(), value) <= RTOL, rec.name
+    assert np.abs(values[-1] - logits.numpy()).max() <= 1e-4

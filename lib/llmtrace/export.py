@@ -115,7 +115,7 @@ class _Lens(torch.nn.Module):
     """The logit lens, `lens.lens_grid`, as a module: the residual stream after every layer
     [L, 1, T, D] -> the most likely token after each layer at each position [L, T], and its
     probability [L, T]. Its two weights carry their HF names, which the main graph's data file
-    holds: the page runs it on the same chunks (`export_lens`)."""
+    holds: the page runs it on the same chunks (`export_lens`). The head is tied: the table."""
 
     def __init__(self, model: Model):
         super().__init__()
@@ -215,6 +215,8 @@ def export_lens(model: Model, d: Path, quantized: bool) -> dict[str, dict]:
     import onnx_ir as ir
 
     c = model.config
+    if not c.tied_lm_head:  # the exporter folds an untied head into a matrix of a new name,
+        return {}  # which the lens could not find: such a model's page has no lens
     example = torch.zeros(c.n_layers, 1, 6, c.hidden_size)  # [L, 1, T, D]
     T = torch.export.Dim("T", min=1, max=c.max_positions)
     try:
@@ -448,11 +450,11 @@ def write_web(model: Model, d: Path, label: str | None = None, blocks: dict | No
     if blocks is not None:  # before the fp32 data is cut into chunks: it reads that file
         quantize_graph(d / FP32_GRAPH, d / GRAPH, blocks, model)
     lens = export_lens(model, d, quantized=blocks is not None)
-    fp32 = _form(model, d, d / FP32_GRAPH, "fp32", {**head, "lens": lens[FP32_GRAPH]})
+    with_lens = {g: {**head, "lens": lens[g]} if g in lens else head for g in (GRAPH, FP32_GRAPH)}
+    fp32 = _form(model, d, d / FP32_GRAPH, "fp32", with_lens[FP32_GRAPH])
     web = fp32
     if blocks is not None:
-        web = {**_form(model, d, d / GRAPH, QUANTIZED, {**head, "lens": lens[GRAPH]}),
-               "fp32": FP32_MANIFEST}
+        web = {**_form(model, d, d / GRAPH, QUANTIZED, with_lens[GRAPH]), "fp32": FP32_MANIFEST}
         (d / FP32_MANIFEST).write_text(json.dumps(fp32, indent=1))
     web["export_seconds"] = round(time.perf_counter() - started, 1)
     (d / MANIFEST).write_text(json.dumps(web, indent=1))
