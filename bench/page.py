@@ -1,6 +1,6 @@
 """How fast the page "Your own prompt" runs the model, in headless Chromium, beside Python.
 
-    make bench    # or, in the checkout, after `make book`: python -m bench.page [--single-thread]
+    make bench    # or, after `make book`: python -m bench.page [--single-thread] [--weights fp32]
 
 The built book is served from 127.0.0.1 (bench/serve.py: cross-origin isolated, so onnxruntime-web
 may use every core; --single-thread serves it as a plain static host does). A fresh browser
@@ -91,14 +91,14 @@ def renderer_peak_mib(root_pid: int) -> float:
     return peak
 
 
-def page_figures(isolated: bool) -> dict:
+def page_figures(isolated: bool, form: str | None) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from browser import Browser  # the tests' DevTools driver
 
     browser = Browser()
     try:
         with serve(HTML, isolated=isolated) as server:
-            browser.goto(f"{server.url}/{PAGE}")
+            browser.goto(f"{server.url}/{PAGE}" + (f"?weights={form}" if form else ""))
             info = browser.js("llmtrace.ready.then(i => ({threads: i.threads, weights: "
                               "i.weights, model: i.model}), e => ({error: e.message}))",
                               timeout=300)
@@ -152,13 +152,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.page", description=__doc__.splitlines()[0])
     p.add_argument("--single-thread", action="store_true",
                    help="serve with no cross-origin isolation: the page runs on one thread")
+    p.add_argument("--weights", choices=["fp32"], default=None,
+                   help="the page's other form of the weights (default: the export's own)")
     args = p.parse_args(argv)
     if not (HTML / "_static" / "web" / "web.json").is_file():
         print(f"error: no built book with the model's export in {HTML}: run `make book` first",
               file=sys.stderr)
         sys.exit(2)
     started = time.time()
-    page = page_figures(not args.single_thread)
+    page = page_figures(not args.single_thread, args.weights)
     threads = page["threads"]
     py = python_figures(threads)
     print(report(page, py, not args.single_thread, threads))

@@ -309,6 +309,14 @@ def test_no_request_leaves_the_origin(page, runs):
     assert not outside, outside
 
 
+def test_a_form_of_weights_the_page_lacks_is_refused_by_name(page, runs):
+    browser, url, _ = page
+    browser.goto(f"{url}/{PAGE}?weights=fp64")
+    got = browser.js("llmtrace.ready.then(() => 'loaded', e => e.message)")
+    assert got.startswith("weights=fp64 in the page's address is not a form this page has: "
+                          "use weights=fp32"), got
+
+
 def test_without_webassembly_the_page_says_so(page, runs):
     """Last: the page again, in a browser whose pages have no WebAssembly."""
     browser, url, _ = page

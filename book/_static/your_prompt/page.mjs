@@ -45,6 +45,10 @@ function cannot_run() {
         return "this browser has no WebAssembly, which runs the model: open the page in a " +
             "browser that has it (any current Chrome, Firefox, Safari or Edge)";
     }
+    if (FORM !== null && FORM !== "fp32") {
+        return `weights=${FORM} in the page's address is not a form this page has: use ` +
+            "weights=fp32, or no weights= for the export's own form";
+    }
     if (typeof Worker !== "function") {
         return "this browser has no Web Workers, in which the model runs: open the page in a " +
             "current browser";
@@ -52,8 +56,13 @@ function cannot_run() {
     return null;
 }
 
+// The form of the weights the address asks for: none (the export's own choice) or fp32.
+const FORM = new URLSearchParams(location.search).get("weights");
+
 function start_worker() {
-    worker = new Worker(new URL("worker.mjs", import.meta.url), { type: "module" });
+    const url = new URL("worker.mjs", import.meta.url);
+    if (FORM) url.searchParams.set("weights", FORM);
+    worker = new Worker(url, { type: "module" });
     worker.onmessage = e => {
         const m = e.data;
         if (m.kind === "progress") return show_status("loading " + m.text);
@@ -89,8 +98,20 @@ function load() {
         info = i;
         load_ms ??= performance.now();  // since the page opened (its time origin)
         show_status(ready_line(i));
+        show_form(i);
         return i;
     });
+}
+
+// A link to the page with the other form of the weights, if the export has one.
+function show_form(i) {
+    const el = $("lt-form");
+    if (!i.other_form) return el.replaceChildren();
+    const a = document.createElement("a");
+    a.href = FORM === "fp32" ? location.pathname : location.pathname + "?weights=fp32";
+    a.textContent = FORM === "fp32" ? "the export's own form instead" : "the fp32 weights instead";
+    el.replaceChildren(document.createTextNode("Load "), a,
+                       document.createTextNode(" (the page opens again)."));
 }
 
 function ready_line(i) {

@@ -13,6 +13,9 @@ import { Tokenizer } from "../tokenizers/tokenizers.min.mjs";
 import { argmax, check_options, draw, mulberry32, top_tokens, warp } from "./sampling.mjs";
 
 const WEB = new URL("../web/", import.meta.url);  // the export, copied into the built book
+// which form of the weights: the export's own choice (web.json), or "fp32" (the manifest that
+// web.json names under "fp32"), as the page's address asks (?weights=fp32)
+const FORM = new URL(import.meta.url).searchParams.get("weights");
 // The page's memory limit for one prompt's whole trace (every record's values, which the graph
 // returns and the page keeps to show): past it a prompt is refused, before anything runs. A
 // trace takes about twice its size while it is copied out of WebAssembly. Measured in headless
@@ -226,6 +229,7 @@ async function load(retry) {
         versions: { onnxruntime_web: ort.env.versions.web },
         downloaded, worker_ms: performance.now() - started,
         lens: lens_session ? { positions: LENS_POSITIONS } : null,
+        form: FORM, other_form: FORM === "fp32" || manifest.fp32 ? true : false,
     };
     trace_bytes = s.bytes_for;
     return info;
@@ -242,12 +246,22 @@ function ensure_loaded() {
     return loading;
 }
 
-async function load_tokenizer_once() {
-    if (!manifest) {
-        const m = await fetch_json("web.json", "the export's manifest");
+async function load_manifest() {
+    let m = await fetch_json("web.json", "the export's manifest");
+    check_manifest(m);
+    if (FORM === "fp32") {
+        if (!m.fp32) {
+            fail("this export has no fp32 form (web.json names none): open the page without " +
+                 "?weights=fp32");
+        }
+        m = await fetch_json(m.fp32, "the fp32 form's manifest");
         check_manifest(m);
-        manifest = m;
     }
+    return m;
+}
+
+async function load_tokenizer_once() {
+    if (!manifest) manifest = await load_manifest();
     if (!tokenizer) await load_tokenizer();
 }
 
