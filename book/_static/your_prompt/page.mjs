@@ -1,17 +1,21 @@
 // The page "Your own prompt" (book/your_prompt.md): a text box and Run; the model runs in a Web
-// Worker (worker.mjs), and this module shows what its graph returned: the tokens, the data flow,
-// any record, the next token, the attention of any layer and head, the continuation. It also
-// defines `window.llmtrace`, the same runs for tests and for a reader's own experiments:
+// Worker (worker.mjs), and this module shows what its graphs returned: the tokens, the data
+// flow, any record, the next token, the continuation, the logit lens, the attention of any layer
+// and head. It also defines `window.llmtrace`, the same runs for tests and for a reader's own
+// experiments:
 //
 //   await llmtrace.ready                      // the model loaded (a Promise)
 //   const r = await llmtrace.run("The capital of Germany is", {maxNewTokens: 5})
 //   r.top[0].piece, r.records.length, r.value("layers.3.attn.weights")
+//   await llmtrace.lens()                     // the last run's logit lens
 //
 // Every fault ends as one line on the page (and a rejected Promise with that line as message).
 
 import { check_options, MAX_NEW_TOKENS, warp } from "./sampling.mjs";
 
 const $ = id => document.getElementById(id);
+// The form of the weights the address asks for: none (the export's own choice) or fp32.
+const FORM = new URLSearchParams(location.search).get("weights");
 const BUSY = "a run is already going: wait for it to end (its results replace these), " +
     "then press Run again";
 
@@ -55,9 +59,6 @@ function cannot_run() {
     }
     return null;
 }
-
-// The form of the weights the address asks for: none (the export's own choice) or fp32.
-const FORM = new URLSearchParams(location.search).get("weights");
 
 function start_worker() {
     const url = new URL("worker.mjs", import.meta.url);
