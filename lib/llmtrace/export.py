@@ -731,5 +731,7 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the package's module, not __main__: its class names enter the graph
+    from llmtrace.export import main as package_main
+
+    sys.exit(package_main())
