@@ -30,9 +30,9 @@ HTML = Path(__file__).resolve().parents[1] / "_build" / "html"
 PAGE = "book/your_prompt.html"
 WEB = "_static/web"
 PROMPTS = {  # prompt: greedy tokens to compare
-    "The capital of Germany is": 8,
-    "Ünïcödé façade — 東京, Москва 🤖🇫🇷   runs of  spaces\n\nand 1234 digits:": 4,
-    "<|im_start|>user\nWhat is the tallest mountain?<|im_end|>\n<|im_start|>assistant\n": 4,
+    "The capital of Germany is": 6,
+    "Ünïcödé façade — 東京, Москва 🤖🇫🇷   runs of  spaces\n\nand 1234 digits:": 3,
+    "<|im_start|>user\nWhat is the tallest mountain?<|im_end|>\n<|im_start|>assistant\n": 3,
 }
 TOKENIZER_STRINGS = [
     "The capital of France is", "naïve café, Ünïcödé — 東京, Москва, ελληνικά",
@@ -181,10 +181,10 @@ def test_the_pages_sampler_keeps_what_the_library_keeps(page, runs, temperature,
 
 
 def test_a_sampled_continuation_follows_its_seed(page, runs):
-    run = """llmtrace.run("Once upon a time", {{maxNewTokens: 4, temperature: 0.9, topK: 40,
+    run = """llmtrace.run("Once upon a time", {{maxNewTokens: 3, temperature: 0.9, topK: 40,
         topP: 0.95, seed: {seed}}}).then(r => r.generated)"""
     a, b, c = (js(page[0], run.format(seed=s)) for s in (7, 7, 8))
-    assert a == b and len(a) == 4
+    assert a == b and len(a) == 3
     assert a != c
 
 
@@ -217,11 +217,11 @@ def clicked(page, runs):
 def test_a_second_run_while_one_is_going_is_refused(page, runs, clicked):
     browser = page[0]
     first, second = js(browser, """(async () => {
-        const a = llmtrace.run("The capital of Italy is", {maxNewTokens: 3});
+        const a = llmtrace.run("The capital of Italy is", {maxNewTokens: 2});
         const b = llmtrace.run("Hi").then(() => "ran", e => e.message);
         return [(await a).generated.length, await b];
     })()""")
-    assert 1 <= first <= 3 and second.startswith("a run is already going")
+    assert 1 <= first <= 2 and second.startswith("a run is already going")
     # the same by the button: the line on the page, and the first run's results in place
     refused, after = page[2]["clicked"]
     assert refused.startswith("a run is already going") and after == refused
