@@ -5,9 +5,10 @@ static host serves it, with no cross-origin isolation, so the model runs on one 
 The page loads once. It starts with a weight chunk removed, and must say so in one line; the
 chunk put back, the next run loads the model and runs: three prompts, each checked against
 Python's `model.run` and `generate` (ids, record names and shapes, the top 10, the logits within
-the tolerance the page states, the greedy continuation). Then the faults, each one line and the
-page still working, the tokenizer's ids on awkward text, the sampler's kept set against the
-library's, and every request made by the page and its workers: none leaves the origin."""
+the tolerance the page states, the greedy continuation), and the logit lens against the
+library's `lens_grid`. Then the faults, each one line and the page still working, the tokenizer's
+ids on awkward text, the sampler's kept set against the library's, Run pressed on the page and
+what it shows, and every request made by the page and its workers: none leaves the origin."""
 
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ TOKENIZER_STRINGS = [
     "<|im_start|>user\nHi<|im_end|>", " leading and trailing  ", "x",
 ]
 
+
 def manifest() -> dict:
+    """The built book's web.json: the page's files, their sizes and hashes."""
     return json.loads((HTML / WEB / "web.json").read_text())
 
 
