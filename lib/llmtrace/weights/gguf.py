@@ -197,3 +197,23 @@ def gguf_tokenizer(path: Path, meta: dict, config: Config):
 # tokenizer.ggml.model -> the vocabulary's arrays it needs
 VOCAB_KEYS = {"gpt2": ("tokens", "merges", "token_type"),
               "llama": ("tokens", "scores", "token_type")}
+
+
+def read_blocks(path: str | Path, config: Config) -> dict[str, tuple[str, np.ndarray]]:
+    """The quantized tensors as the file holds them, for an export that keeps them so:
+    {HF name: (GGUF type, its bytes [rows, bytes per row])}, the rows of W_q and W_k in the
+    half-split layout (`adjacent_to_half_split`, as `load_gguf`). Float tensors are left out."""
+    from gguf import GGUFReader
+
+    blocks = {}
+    for t in GGUFReader(path).tensors:
+        name, kind = to_hf_name(t.name), t.tensor_type.name
+        if not kind.startswith("Q"):
+            continue
+        rows = torch.from_numpy(np.array(t.data))  # [out, bytes]: whole blocks along `in`
+        if name.endswith("q_proj.weight"):
+            rows = adjacent_to_half_split(rows, config.n_heads)
+        elif name.endswith("k_proj.weight"):
+            rows = adjacent_to_half_split(rows, config.n_kv_heads)
+        blocks[name] = (kind, rows.numpy())
+    return blocks

@@ -1,0 +1,432 @@
+// The model of the page "Your own prompt", in a Web Worker so that the page never freezes while
+// the weights load or a pass runs. It reads only the book's own files: the export's manifest
+// (web.json), the tokenizer (tokenizer.json, read by Tokenizers.js), the ONNX graph and its weight
+// chunks (each checked by size and SHA-256), and onnxruntime-web's WebAssembly build. Every number
+// it returns comes out of the graph's outputs: the graph returns every record of the trace.
+//
+// Messages in: {id, kind: "load" | "encode" | "run" | "lens", ...}; out: {id, ok, result |
+// error}, and {kind: "progress", text} while loading. An error is one line that says what was
+// wrong and what to do, shown as it is by the page.
+
+import * as ort from "../ort/ort.wasm.min.mjs";
+import { Tokenizer } from "../tokenizers/tokenizers.min.mjs";
+import { argmax, check_options, draw, mulberry32, top_tokens, warp } from "./sampling.mjs";
+
+const WEB = new URL("../web/", import.meta.url);  // the export, copied into the built book
+// which form of the weights: the export's own choice (web.json), or "fp32" (the manifest that
+// web.json names under "fp32"), as the page's address asks (?weights=fp32)
+const FORM = new URL(import.meta.url).searchParams.get("weights");
+// The page's memory limit for one prompt's whole trace (every record's values, which the graph
+// returns and the page keeps to show): past it a prompt is refused, before anything runs. A
+// trace takes about twice its size while it is copied out of WebAssembly. Measured in headless
+// Chromium: with the 4-bit blocks the tab holds 0.6 GB once loaded, and 1.6 GB after a trace at
+// this limit (200 tokens), within 2 GB; with the fp32 weights it holds 1.6 GB once loaded
+const TRACE_LIMIT = 512 * 2 ** 20;
+
+let manifest = null, tokenizer = null, session = null, info = null;
+let lens_session = null;          // the logit lens's graph, if the export has one
+let last_resid = null;            // the last run's layers.N.resid_out, stacked, for the lens
+let last_lens = null;             // and its lens, once computed
+// The lens reads the final norm and the head at every layer and position, which costs as much
+// as the head of a pass over L times the positions: the page shows it for the last few
+const LENS_POSITIONS = 8;
+let weights = null;               // the concatenated chunks, until the session holds them
+const verified = new Set();       // chunks already checked (a retry fetches only the others)
+let loading = null;               // the load under way, if any
+let failed_before = false;        // a load failed: the next one revalidates what it fetches
+let downloaded = 0;               // bytes fetched from the book's origin
+let trace_bytes = null;           // T -> the bytes of a whole trace of T tokens
+
+class PageError extends Error {}  // a line for the reader, shown as it is
+
+function fail(line) { throw new PageError(line); }
+
+function progress(text) { postMessage({ kind: "progress", text }); }
+
+function mb(bytes) { return (bytes / 2 ** 20).toFixed(1) + " MB"; }
+
+async function fetch_ok(file, what, retry) {
+    let r;
+    try {
+        r = await fetch(new URL(file, WEB), { cache: retry ? "reload" : "default" });
+    } catch (e) {
+        fail(`${what} ${file} could not be fetched (${e.message}): serve the book with ` +
+             "`make serve` and reload the page");
+    }
+    if (r.status === 404) {
+        fail(`${what} ${file} is missing from the book (HTTP 404): rebuild the book's model ` +
+             "files with `make book`, or put the file back, then press Run");
+    }
+    if (!r.ok) fail(`${what} ${file} could not be fetched (HTTP ${r.status}): check the server`);
+    return r;
+}
+
+async function fetch_json(file, what) {
+    const r = await fetch_ok(file, what, false);
+    const text = await r.text();
+    downloaded += text.length;
+    try {
+        return JSON.parse(text);
+    } catch (e) {
+        fail(`${what} ${file} is not valid JSON (${e.message}): rebuild it with \`make book\``);
+    }
+}
+
+function hex(buffer) {
+    return Array.from(new Uint8Array(buffer), b => b.toString(16).padStart(2, "0")).join("");
+}
+
+// One file of the export into `into` (a Uint8Array of exactly the size web.json gives),
+// streamed, then checked: its size, then its SHA-256.
+async function fetch_checked(entry, into, what, retry) {
+    const r = await fetch_ok(entry.file, what, retry);
+    const reader = r.body.getReader();
+    let got = 0;
+    for (;;) {
+        const { done, value } = await reader.read();
+        if (done) break;
+        if (got + value.length > into.length) {
+            reader.cancel();
+            fail(`${what} ${entry.file} is longer than web.json says (${entry.size} bytes): ` +
+                 "it was altered; rebuild the book's model files with `make book`");
+        }
+        into.set(value, got);
+        got += value.length;
+        downloaded += value.length;
+    }
+    if (got !== entry.size) {
+        fail(`${what} ${entry.file} is cut short: ${got} of ${entry.size} bytes; rebuild the ` +
+             "book's model files with `make book`, or copy the file again, then press Run");
+    }
+    const sha = hex(await crypto.subtle.digest("SHA-256", into));
+    if (sha !== entry.sha256) {
+        fail(`${what} ${entry.file} was altered: its SHA-256 is ${sha.slice(0, 12)}…, web.json ` +
+             `says ${entry.sha256.slice(0, 12)}…; rebuild the book's model files with ` +
+             "`make book`");
+    }
+}
+
+function check_manifest(m) {
+    if (m.format !== 1) {
+        fail(`web.json is in format ${m.format}, and this page reads format 1: rebuild the ` +
+             "book with `make book`");
+    }
+    for (const key of ["graph", "chunks", "records", "config", "input", "logits", "tokenizer"]) {
+        if (!(key in m)) fail(`web.json has no "${key}": rebuild it with \`make book\``);
+    }
+}
+
+// The bytes of every output for a prompt of T tokens, read from the graph's own output shapes
+// (a symbolic dimension is the sequence's length; web.json's shape where the graph gives none):
+// what a pass returns, known before it runs.
+function trace_bytes_of(meta) {
+    const itemsize = { float32: 4, int64: 8, float16: 2, int32: 4 };
+    const listed = new Map(manifest.records.map(r => [r.name, r.shape || []]));
+    return T => meta.reduce((sum, o) => {
+        const shape = o.shape.length ? o.shape : listed.get(o.name) || [];
+        return sum + (itemsize[o.type] || 4) *
+            shape.reduce((n, d) => n * (typeof d === "number" ? d : T), 1);
+    }, 0);
+}
+
+// The longest prompt whose trace stays within the limit (its bytes grow with T).
+function longest_prompt(bytes, context) {
+    let lo = 0, hi = context;
+    while (lo < hi) {
+        const mid = Math.ceil((lo + hi) / 2);
+        if (bytes(mid) <= TRACE_LIMIT) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+async function load_tokenizer() {
+    const t = manifest.tokenizer;
+    const file = typeof t === "string" ? t : t.file || "tokenizer.json";
+    const json = await fetch_json(file, "the tokenizer");
+    const config_file = (typeof t === "object" && t.config) || "tokenizer_config.json";
+    let config = {};
+    try {
+        config = await fetch_json(config_file, "the tokenizer's config");
+    } catch (e) {
+        if (!(e instanceof PageError) || !e.message.includes("HTTP 404")) throw e;
+    }
+    tokenizer = new Tokenizer(json, config);
+}
+
+async function load_weights(retry) {
+    const total = manifest.chunks.reduce((n, c) => n + c.size, 0);
+    if (!weights) weights = new Uint8Array(total);
+    let offset = 0, n = 0;
+    for (const [i, chunk] of manifest.chunks.entries()) {
+        const view = weights.subarray(offset, offset + chunk.size);
+        offset += chunk.size;
+        n += 1;
+        if (verified.has(i)) continue;
+        progress(`weights: chunk ${n} of ${manifest.chunks.length} (${mb(offset)} of ` +
+                 `${mb(total)})`);
+        await fetch_checked(chunk, view, "weight chunk", retry);
+        verified.add(i);
+    }
+}
+
+async function create(graph, what, path) {
+    try {
+        return await ort.InferenceSession.create(graph, {
+            executionProviders: ["wasm"],
+            externalData: [{ path, data: weights }],
+        });
+    } catch (e) {
+        fail(`onnxruntime-web could not load ${what} (${String(e.message || e).split("\n")[0]}` +
+             "): rebuild the book's model files with `make book`");
+    }
+}
+
+async function load_session(retry) {
+    const graph = new Uint8Array(manifest.graph.size);
+    await fetch_checked(manifest.graph, graph, "the graph", retry);
+    const lens = manifest.lens ? new Uint8Array(manifest.lens.graph.size) : null;
+    if (lens) await fetch_checked(manifest.lens.graph, lens, "the logit lens's graph", retry);
+    const isolated = self.crossOriginIsolated === true;
+    ort.env.wasm.wasmPaths = new URL("../ort/", import.meta.url).href;
+    ort.env.wasm.numThreads = isolated ? navigator.hardwareConcurrency : 1;
+    ort.env.wasm.proxy = false;
+    progress("the graph: compiling it for WebAssembly");
+    const path = typeof manifest.external_data === "string" ? manifest.external_data
+        : (manifest.external_data && manifest.external_data.file) || "model.onnx.data";
+    const main = await create(graph, "the graph", path);
+    // the lens's graph has no weights of its own: it reads the same external data
+    lens_session = lens ? await create(lens, "the logit lens's graph", path) : null;
+    session = main;
+    weights = null;  // onnxruntime holds its own copy now
+    const meta = session.outputMetadata.filter(o => o.isTensor);
+    const bytes = trace_bytes_of(meta);
+    const c = manifest.config;
+    return {
+        threads: ort.env.wasm.numThreads, isolated, bytes_for: bytes,
+        longest: longest_prompt(bytes, c.max_context),
+    };
+}
+
+async function load(retry) {
+    const started = performance.now();
+    if (typeof WebAssembly !== "object") {
+        fail("this browser has no WebAssembly, which runs the model: open the page in a " +
+             "browser that has it (any current Chrome, Firefox, Safari or Edge)");
+    }
+    if (!crypto.subtle) {
+        fail("this page checks the weights with the browser's SHA-256 (crypto.subtle), which " +
+             "only a secure page has: open it from 127.0.0.1 (`make serve`) or over https");
+    }
+    progress("the tokenizer: tokenizer.json");
+    await load_tokenizer_once();
+    await load_weights(retry);
+    const s = await load_session(retry);
+    const c = manifest.config;
+    info = {
+        model: manifest.model, weights: manifest.weights, records: manifest.records,
+        config: c, tolerance: manifest.tolerance || {}, threads: s.threads,
+        isolated: s.isolated, longest_prompt: s.longest, trace_limit: TRACE_LIMIT,
+        versions: { onnxruntime_web: ort.env.versions.web },
+        downloaded, worker_ms: performance.now() - started,
+        lens: lens_session ? { positions: LENS_POSITIONS } : null,
+        form: FORM, other_form: FORM === "fp32" || manifest.fp32 ? true : false,
+    };
+    trace_bytes = s.bytes_for;
+    return info;
+}
+
+// One load at a time; after a failed one, the next Run (or load) tries again.
+function ensure_loaded() {
+    if (session) return Promise.resolve(info);
+    if (!loading) {
+        loading = load(failed_before).then(
+            r => { loading = null; return r; },
+            e => { loading = null; failed_before = true; throw e; });
+    }
+    return loading;
+}
+
+async function load_manifest() {
+    let m = await fetch_json("web.json", "the export's manifest");
+    check_manifest(m);
+    if (FORM === "fp32") {
+        if (!m.fp32) {
+            fail("this export has no fp32 form (web.json names none): open the page without " +
+                 "?weights=fp32");
+        }
+        m = await fetch_json(m.fp32, "the fp32 form's manifest");
+        check_manifest(m);
+    }
+    return m;
+}
+
+async function load_tokenizer_once() {
+    if (!manifest) manifest = await load_manifest();
+    if (!tokenizer) await load_tokenizer();
+}
+
+async function encode(text) {
+    await load_tokenizer_once();
+    return tokenizer.encode(text, { add_special_tokens: false }).ids;
+}
+
+// ids -> text, special tokens kept, as the library decodes
+function decode(ids) {
+    return tokenizer.decode(ids, { skip_special_tokens: false,
+                                   clean_up_tokenization_spaces: false });
+}
+
+// a piece as the reader should see it: the text of its id alone, its leading space kept
+function piece(id) { return decode([id]); }
+
+function prompt_ids(prompt, max_new) {
+    const c = manifest.config;
+    if (typeof prompt !== "string") fail(`the prompt must be text, got ${typeof prompt}`);
+    if (prompt.length === 0) fail("the prompt is empty: type at least one character, then Run");
+    let ids = tokenizer.encode(prompt, { add_special_tokens: false }).ids;
+    if (c.add_bos) ids = [c.bos_id, ...ids];
+    if (ids.length === (c.add_bos ? 1 : 0)) {
+        fail("the prompt tokenizes to nothing (no token the model can read): type some words");
+    }
+    if (ids.length + max_new > c.max_context) {
+        fail(`${ids.length} prompt tokens + ${max_new} new ones exceed the model's context of ` +
+             `${c.max_context}: shorten the prompt or generate fewer tokens`);
+    }
+    if (ids.length > info.longest_prompt) {
+        fail(`the prompt is ${ids.length} tokens, and its whole trace would take ` +
+             `${mb(trace_bytes(ids.length))}, past this page's limit of ${mb(TRACE_LIMIT)} ` +
+             `(${info.longest_prompt} tokens): shorten the prompt`);
+    }
+    return ids;
+}
+
+function feeds(ids) {
+    const data = BigInt64Array.from(ids, BigInt);
+    return { [manifest.input]: new ort.Tensor("int64", data, [1, ids.length]) };
+}
+
+// onnxruntime copies each output out of WebAssembly's memory into an array of its own: that
+// array's buffer is handed to the page as it is (transferred, not copied again)
+function owns_buffer(a) { return a.byteOffset === 0 && a.byteLength === a.buffer.byteLength; }
+
+// The last position's logits, a Float32Array of the vocabulary's length.
+function last_logits(tensor) {
+    const V = tensor.dims[tensor.dims.length - 1];
+    const n = tensor.data.length;
+    return tensor.data.slice(n - V, n);
+}
+
+async function run(prompt, opts) {
+    await ensure_loaded();
+    const o = check_options(opts, manifest.config);
+    const ids = prompt_ids(prompt, o.maxNewTokens);
+    let t = performance.now();
+    const out = await session.run(feeds(ids));
+    const prefill_ms = performance.now() - t;
+    const records = [], values = {}, transfer = [];
+    for (const r of manifest.records) {
+        const tensor = out[r.name];
+        if (!tensor) fail(`the graph has no output ${r.name}, which web.json lists: rebuild ` +
+                          "the book's model files with `make book`");
+        const v = tensor.type === "int64" ? Float64Array.from(tensor.data, Number)
+            : owns_buffer(tensor.data) ? tensor.data : tensor.data.slice();
+        records.push({ name: r.name, op: r.op, shape: tensor.dims.slice() });
+        values[r.name] = v;
+        transfer.push(v.buffer);
+    }
+    const logits = last_logits(out[manifest.logits]);
+    last_resid = stack_resid(values, ids.length);
+    last_lens = null;
+    for (const tensor of Object.values(out)) tensor.dispose();
+
+    // the continuation: the graph again on the growing ids, only the logits fetched
+    t = performance.now();
+    const generated = [], rand = mulberry32(o.seed);
+    const ends = new Set(manifest.config.eos_ids || []);
+    let step_logits = logits;
+    for (let step = 0; step < o.maxNewTokens; step++) {
+        if (step > 0) {
+            const r = await session.run(feeds([...ids, ...generated]), [manifest.logits]);
+            step_logits = last_logits(r[manifest.logits]);
+            r[manifest.logits].dispose();
+        }
+        const next = o.temperature === 0 ? argmax(step_logits)
+            : draw(warp(step_logits, o), rand);
+        generated.push(next);
+        if (ends.has(next)) break;
+    }
+    const decode_ms = performance.now() - t;
+    const top = top_tokens(logits, 10).map(x => ({ ...x, piece: piece(x.id) }));
+    return {
+        result: {
+            model: manifest.model, weights: manifest.weights, ids, pieces: ids.map(piece),
+            records, top, logits, generated, generated_pieces: generated.map(piece),
+            generated_text: generated.length ? decode(generated) : "",
+            stop_reason: generated.length && ends.has(generated[generated.length - 1])
+                ? "an end token" : "the token limit",
+            values, timings: { prefill_ms, decode_ms },
+        },
+        transfer: [...transfer, logits.buffer],
+    };
+}
+
+// Every layer's residual stream out, [L, 1, T, D] layer-major: the lens graph's input.
+function stack_resid(values, T) {
+    const L = manifest.config.n_layers, D = manifest.config.hidden_size;
+    const stack = new Float32Array(L * T * D);
+    for (let i = 0; i < L; i++) stack.set(values[`layers.${i}.resid_out`], i * T * D);
+    return { stack, T };
+}
+
+// The logit lens of the last run over its last LENS_POSITIONS positions: after each layer, at
+// each position, the most likely token and its probability, from the export's lens graph.
+async function lens() {
+    if (!lens_session) {
+        fail("this export has no logit lens graph (web.json has no \"lens\"): rebuild the " +
+             "book's model files with `make book`");
+    }
+    if (!last_resid) fail("there is no run yet to read the lens from: run a prompt first");
+    if (last_lens) return last_lens;
+    const L = manifest.config.n_layers, D = manifest.config.hidden_size;
+    const { stack, T } = last_resid;
+    const first = Math.max(0, T - LENS_POSITIONS), P = T - first;
+    const resid = new Float32Array(L * P * D);  // the same layers, the last P positions
+    for (let i = 0; i < L; i++) {
+        resid.set(stack.subarray((i * T + first) * D, (i * T + T) * D), i * P * D);
+    }
+    const t = performance.now();
+    const [ids_name, probs_name] = manifest.lens.outputs;
+    const out = await lens_session.run({
+        [manifest.lens.input]: new ort.Tensor("float32", resid, [L, 1, P, D]) });
+    const flat_ids = Array.from(out[ids_name].data, Number);
+    const flat_p = Array.from(out[probs_name].data);
+    const rows = (flat, f) => Array.from({ length: L }, (_, l) =>
+        flat.slice(l * P, (l + 1) * P).map(f));
+    for (const tensor of Object.values(out)) tensor.dispose();
+    return last_lens = {
+        first, positions: Array.from({ length: P }, (_, j) => first + j),
+        ids: rows(flat_ids, x => x), probs: rows(flat_p, x => x),
+        pieces: rows(flat_ids, piece), lens_ms: performance.now() - t,
+    };
+}
+
+onmessage = async e => {
+    const { id, kind } = e.data;
+    try {
+        if (kind === "load") {
+            postMessage({ id, ok: true, result: await ensure_loaded() });
+        } else if (kind === "encode") {
+            postMessage({ id, ok: true, result: await encode(e.data.text) });
+        } else if (kind === "lens") {
+            postMessage({ id, ok: true, result: await lens() });
+        } else if (kind === "run") {
+            const { result, transfer } = await run(e.data.prompt, e.data.opts);
+            postMessage({ id, ok: true, result }, transfer);
+        }
+    } catch (err) {
+        const line = err instanceof PageError || err.line ? err.message
+            : `the run failed (${String(err && err.message || err).split("\n")[0]}): ` +
+              "press Run again, or reload the page";
+        postMessage({ id, ok: false, error: line });
+    }
+};
