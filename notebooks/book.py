@@ -1,7 +1,12 @@
 """What the chapters share, kept beside them and out of the library: the model that produced their
 values (one line under each title), TinyLlama-1.1B's exact shapes for the same prompt in one fixed
 card (traced on the meta device), prose whose numbers come from code (`say`), the guard for claims
-that belong to one model (`runs`), and a function's source on the page (`show_source`).
+that belong to one model (`runs`), the comparison of a chapter's plain Llama code with the trace
+of a model of another family (`check_plain`), a function's source on the page (`show_source`), and
+the book's rule for figures (`check_figure`, `readable`).
+
+A chapter's visible cells use only torch and the public library; what is here runs in cells whose
+code the page hides (tests/test_visible_cells.py runs the visible cells alone).
 
 One model per paragraph, table and plot: the chapters' narrative follows the model that runs;
 TinyLlama's shapes appear only in the card that `start_chapter` shows under the banner, the same
@@ -23,7 +28,6 @@ PROMPT = "The capital of France is"
 EMBEDDED = "smollm2-135m"  # the embedded model's config name
 TINYLLAMA = "tinyllama-1.1b"
 FULL_NAMES = {EMBEDDED: "SmolLM2-135M-Instruct", TINYLLAMA: "TinyLlama-1.1B"}
-SHORT_NAMES = {EMBEDDED: "SmolLM2-135M", TINYLLAMA: "TinyLlama-1.1B"}  # for running prose
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,7 +59,7 @@ def model_label(model: Model, short: bool = False) -> str:
     that in full; `short=True` gives the name alone ("SmolLM2-135M"), which fits in a sentence."""
     name = model.config.name
     if short:
-        return SHORT_NAMES.get(name, name)
+        return model.label
     if name == EMBEDDED:
         return f"{FULL_NAMES[EMBEDDED]}, Q4_1 weights in fp32"
     return FULL_NAMES.get(name, name)
@@ -87,6 +91,54 @@ def runs(model: Model, name: str = EMBEDDED) -> bool:
     return model.config.name == name
 
 
+# Config fields by which another family's stage differs from Llama 2's (chapter 16 shows each)
+SWITCHES = ("qkv_bias", "qk_norm", "sliding_window", "rope_scaling", "norm_offset",
+            "sandwich_norm", "mlp_act", "embed_scale", "attn_scale", "layer_types",
+            "rope_local_theta")
+
+
+def switches(model: Model, only=SWITCHES) -> list[str]:
+    """The switches of `only` that the running model sets: [] for a plain Llama."""
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(model.config)}
+    return [s for s in only if getattr(model.config, s) != defaults[s]]
+
+
+def plain_llama(model: Model, only=SWITCHES) -> bool:
+    """Does the running model compute a stage as the walk's plain PyTorch does? True for a Llama
+    2 shaped model; `only` names the switches that change the stage in question."""
+    return not switches(model, only)
+
+
+def check_plain(model: Model, equal: bool, what: str, only=SWITCHES) -> None:
+    """The comparison of a chapter's plain Llama code with the running model's trace: asserted
+    when the model sets none of the switches `only` names; else one sentence says that this
+    stage differs here, and where the book shows how."""
+    if plain_llama(model, only):
+        assert equal, f"{what}: the plain Llama code does not reproduce {model.label}'s trace"
+        return
+    names = switches(model, only)
+    verb = "changes" if len(names) == 1 else "change"
+    say(f"{model.label} is not a plain Llama: {', '.join(f'`{n}`' for n in names)} {verb} "
+        f"{what}, so the plain code above does not reproduce its trace here; "
+        "[chapter 16](16_todays_models.ipynb) shows each change.")
+
+
+def measured_on() -> str:
+    """The machine and the day a timing on the page was measured: "AMD EPYC (2 CPUs),
+    2026-12-01"."""
+    import os
+    import platform
+    import time
+
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.is_file() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in lines
+                if line.startswith("model name")), platform.processor() or "a CPU")
+    return f"{cpu} ({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d')}"
+
+
 def banner_text(model: Model) -> str:
     return (f"Values and shapes on this page: **{model_label(model)}**, "
             f"{model.config.n_layers} layers · "
@@ -112,36 +164,62 @@ def show_source(*objects) -> None:
         say(f"From `llmtrace/{where}`:\n\n```python\n{code}```")
 
 
-def tinyllama_card_html(stage: str | list[str], tiny: Trace) -> str:
+def tinyllama_card_html(stage: str | list[str], tiny: Trace, decode: Trace | None = None,
+                        decode_stage: str | list[str] | None = None,
+                        running: Model | None = None) -> str:
     """The card: TinyLlama-1.1B's records at this chapter's stage (layer 0 for the layers'
     operations), name, operation and exact shape, from the meta-device trace, under a line of
-    TinyLlama's config. HTML, so it reads the same in the book and in JupyterLab; `<details>`, so
-    it stays one line high until opened."""
+    TinyLlama's config; with `decode`, the records of `decode_stage` in its first decode step
+    too. `running`, the model of the page, whose prompt may lack TinyLlama's BOS: the card says
+    why the two counts of tokens differ. HTML, so it reads the same in the book and in
+    JupyterLab; `<details>`, so it stays one line high until opened."""
     from llmtrace import Config
-    from llmtrace.trace import _fmt_shape
 
-    globs = [stage] if isinstance(stage, str) else list(stage)
-    recs = [r for r in tiny.records
-            if any(_glob(r.name, g) for g in globs) and _first_layer(r.name)]
-    rows = "".join(f"<tr><td><code>{html.escape(r.name)}</code></td>"
-                   f"<td>{html.escape(r.op)}</td>"
-                   f'<td class="shape"><code>{html.escape(_fmt_shape(r.shape))}</code></td></tr>'
-                   for r in recs)
+    recs = _card_records(tiny, stage)
+    rows = _card_rows(recs)
     c = Config.from_name(TINYLLAMA)
     n = tiny.shape("tokens")[1]
     shape = describe_config(c).split(": ", 1)[1]  # "22 layers, hidden 2048, ..."
     where = (f" Layer 0 shown: its {c.n_layers} layers have the same shapes."
              if any(r.name.startswith("layers.") for r in recs) else "")
     ops = "operation" if len(recs) == 1 else "operations"
+    mine = ""
+    if running is not None:
+        t_run = running.encode(PROMPT).shape[1]
+        if t_run != n:
+            mine = (f" On this page, {html.escape(running.label)}'s tokenizer puts no BOS "
+                    f"in front, so its prompt is {t_run} tokens.")
+    head = ('<table><thead><tr><th>name</th><th>operation</th><th class="shape">shape</th>'
+            "</tr></thead><tbody>")
+    step = ""
+    if decode is not None and decode_stage is not None:
+        drecs = _card_records(decode, decode_stage)
+        step = (f'<p class="tl-note">Its first decode step: one new position, the cache '
+                f"holding {n + 1} (the {n} of the prompt and the new one).</p>"
+                f"{head}{_card_rows(drecs)}</tbody></table>")
     return (f'<details class="tinyllama-card"><summary><span class="tl-model">TinyLlama-1.1B'
             f'</span> at this stage: {len(recs)} {ops}, exact shapes</summary>'
             f'<p class="tl-note">The reference model, traced on PyTorch\'s meta device (shapes, '
             f"no weights) for the same prompt: {n} tokens, the first of them BOS "
-            f"(<code>&lt;s&gt;</code>, the start-of-text token that its tokenizer puts in front of "
-            f"every text). "
+            f"(<code>&lt;s&gt;</code>, the start-of-text token that its tokenizer config puts in "
+            f"front of every text).{mine} "
             f"{html.escape(shape[0].upper() + shape[1:])}.{where}</p>"
-            f'<table><thead><tr><th>name</th><th>operation</th><th class="shape">shape</th></tr>'
-            f"</thead><tbody>{rows}</tbody></table></details>")
+            f"{head}{rows}</tbody></table>{step}</details>")
+
+
+def _card_records(trace: Trace, stage: str | list[str]) -> list:
+    globs = [stage] if isinstance(stage, str) else list(stage)
+    return [r for r in trace.records
+            if any(_glob(r.name, g) for g in globs) and _first_layer(r.name)]
+
+
+def _card_rows(recs) -> str:
+    from llmtrace.trace import _fmt_shape
+
+    return "".join(f"<tr><td><code>{html.escape(r.name)}</code></td>"
+                   f"<td>{html.escape(r.op)}</td>"
+                   f'<td class="shape"><code>{html.escape(_fmt_shape(r.shape))}</code></td></tr>'
+                   for r in recs)
 
 
 def _glob(name: str, pattern: str) -> bool:
@@ -171,30 +249,104 @@ BOOK_STYLE = {
 }
 
 
+SMALLEST_POINTS = 9  # the smallest text a figure may hold
+
+
+def figure_problems(fig) -> list[str]:
+    """What keeps a matplotlib figure from reading well in the book's column, one phrase each:
+    wider than `COLUMN_INCHES`; text under `SMALLEST_POINTS`; an axis with tick labels and no
+    title; colour that carries a value (an image through a colour map, a mesh, colour-mapped
+    points) with no colour bar. [] for a figure that follows the rule."""
+    from matplotlib.collections import PathCollection, QuadMesh
+    from matplotlib.colors import ListedColormap
+    from matplotlib.text import Text
+
+    problems = []
+    width = fig.get_size_inches()[0]
+    if width > COLUMN_INCHES + 1e-9:
+        problems.append(f"{width:.1f} in wide (the column is {COLUMN_INCHES})")
+    fig.draw_without_rendering()  # lays out the tick labels, so that they can be read
+    small = sorted({f"{t.get_fontsize():.0f} pt {t.get_text()!r}"
+                    for t in fig.findobj(Text)
+                    if t.get_visible() and t.get_text().strip()
+                    and t.get_fontsize() < SMALLEST_POINTS})
+    if small:
+        problems.append(f"text under {SMALLEST_POINTS} pt: {', '.join(small[:3])}"
+                        + (f" and {len(small) - 3} more" if len(small) > 3 else ""))
+    bars = [ax for ax in fig.axes if hasattr(ax, "_colorbar")]
+    for ax in fig.axes:
+        if ax in bars or not ax.axison:
+            continue
+        name = repr(ax.get_title() or fig.get_suptitle() or "a plot")
+        for axis, label in (("x", ax.get_xlabel()), ("y", ax.get_ylabel())):
+            if not getattr(ax, f"{axis}axis").get_visible():  # a twin's shared axis
+                continue
+            ticks = getattr(ax, f"get_{axis}ticklabels")()
+            shown = [t for t in ticks if t.get_visible() and t.get_text().strip()]
+            if shown and not label.strip():
+                problems.append(f"the {axis} axis of {name} has no title")
+        # an RGB image shows its colours as they are; a colour map turns values into colours
+        # (so does one of a few listed colours, each named in the title or a legend)
+        coloured = [im for im in ax.images if im.get_array().ndim == 2
+                    and not (isinstance(im.get_cmap(), ListedColormap)
+                             and im.get_cmap().N <= 8)]
+        coloured += [c for c in ax.collections if isinstance(c, (QuadMesh, PathCollection))
+                     and c.get_array() is not None]
+        if coloured and not bars:
+            problems.append(f"{name} carries values in colour and has no colour bar")
+    return problems
+
+
+def check_figure(fig) -> None:
+    """Raise when a figure breaks the book's rule (`figure_problems`)."""
+    problems = figure_problems(fig)
+    if problems:
+        raise llmtrace.LlmTraceError("a figure does not fit the book: " + "; ".join(problems)
+                                     + ": see BOOK_STYLE and COLUMN_INCHES in notebooks/book.py")
+
+
+def _checked_show(show):
+    """pyplot.show, after `check_figure` on every open figure."""
+    import matplotlib.pyplot as plt
+
+    def checked(*args, **kwargs):
+        for number in plt.get_fignums():
+            check_figure(plt.figure(number))
+        return show(*args, **kwargs)
+
+    checked.checks_figures = True
+    return checked
+
+
 def use_book_style() -> None:
     """Matplotlib defaults that stay legible in the book: 100 dpi and no text under 10 pt
     (matplotlib's default figure, 6.4 in wide, fits the column). `start_chapter` applies them; a
-    figure that sets its own `figsize` should stay within `COLUMN_INCHES` wide, and its own
-    `fontsize` at 9 or more."""
+    figure that sets its own `figsize` must stay within `COLUMN_INCHES` wide, and its own
+    `fontsize` at `SMALLEST_POINTS` or more: `plt.show()` and `show_figure` check every figure
+    (`check_figure`) and stop the chapter on one that breaks the rule."""
     import matplotlib as mpl
+    import matplotlib.pyplot as plt
 
     mpl.rcParams.update(BOOK_STYLE)
+    if not getattr(plt.show, "checks_figures", False):
+        plt.show = _checked_show(plt.show)
 
 
-def start_chapter(stage: str | list[str] | None = None, name: str | None = None
-                  ) -> tuple[Model, Trace]:
+def start_chapter(stage: str | list[str] | None = None, name: str | None = None,
+                  decode_stage: str | list[str] | None = None) -> tuple[Model, Trace]:
     """Load the model in force (LLMTRACE_MODEL, default auto), show the one-line banner and, when
     `stage` names this chapter's operations (globs such as "attn.*" or "embed"), the TinyLlama
-    card beneath it, unless TinyLlama itself runs. Returns (model, TinyLlama's prefill shape
-    trace)."""
+    card beneath it, unless TinyLlama itself runs; `decode_stage` adds the records of its first
+    decode step. Returns (model, TinyLlama's prefill shape trace)."""
     from IPython.display import HTML, display
 
     use_book_style()
     model = load_model(resolve(name))
     say(banner_text(model))
+    prefill, decode = tinyllama_walk()
     if stage is not None and not runs(model, TINYLLAMA):
-        display(HTML(tinyllama_card_html(stage, tinyllama_walk()[0])))
-    return model, tinyllama_walk()[0]
+        display(HTML(tinyllama_card_html(stage, prefill, decode, decode_stage, model)))
+    return model, prefill
 
 
 # --- interactive figures -------------------------------------------------------------------------
@@ -256,6 +408,7 @@ def show_figure(fig, summary: str, static=None) -> None:
 
     from IPython.display import display
 
+    readable(fig)
     _figures_shown[0] += 1
     key = f"{_figures_shown[0]}:{summary}".encode()
     div = "llmtrace-fig-" + hashlib.sha1(key).hexdigest()[:12]
@@ -301,6 +454,27 @@ def show_figure(fig, summary: str, static=None) -> None:
              PLOTLY_MIME: {**spec_json, "config": config}}, raw=True)
 
 
+PLOTLY_SMALLEST_PX = 12  # plotly sizes text in pixels: 12 px is 9 pt
+
+
+def readable(fig) -> None:
+    """Refuse an interactive figure the book cannot show well (LlmTraceError, naming the axis):
+    text under `PLOTLY_SMALLEST_PX`, or an axis that shows tick labels and has no title."""
+    def problem(what):
+        return llmtrace.LlmTraceError(f"the interactive figure {fig.layout.title.text!r}: {what}")
+
+    if (fig.layout.font.size or 12) < PLOTLY_SMALLEST_PX:  # plotly's default is 12 px
+        raise problem(f"its font is under {PLOTLY_SMALLEST_PX} px")
+    refs = {ref for t in fig.data for ref in (t.xaxis or "x", t.yaxis or "y")}  # "x", "y2"
+    for name in sorted(ref[0] + "axis" + ref[1:] for ref in refs):  # "xaxis", "yaxis2"
+        axis = fig.layout[name]
+        if (axis.tickfont.size or 12) < PLOTLY_SMALLEST_PX:
+            raise problem(f"the ticks of its {name} are under {PLOTLY_SMALLEST_PX} px")
+        shown = axis.showticklabels is not False and axis.visible is not False
+        if shown and not (axis.title.text or "").strip():
+            raise problem(f"its {name} has tick labels and no title")
+
+
 def _static_png(fig) -> bytes | None:
     """PNG bytes of a matplotlib Figure (then closed), or of a plotly figure's first state drawn
     simply with matplotlib (heatmaps, lines and bars); None when there is nothing to draw."""
@@ -313,6 +487,7 @@ def _static_png(fig) -> bytes | None:
         fig = _plotly_to_matplotlib(fig, plt, np)
         if fig is None:
             return None
+    check_figure(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)

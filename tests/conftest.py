@@ -1,6 +1,7 @@
 """Fixtures built once per test run: the embedded model, its traced prompt, TinyLlama on the meta
 device, HF's reference model, and the tiny random checkpoint (a directory, `tiny_dir`, and the
-model loaded from it, `tiny`)."""
+model loaded from it, `tiny`), and the Jupyter kernels the chapters run in on such checkpoints
+(`kernels`)."""
 
 import os
 import re
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from helpers import PROMPT
+from jupyter_client.manager import start_new_kernel
 from llmtrace import load_model, meta_model
 
 # One intra-op thread unless OMP_NUM_THREADS says otherwise. The tests run tensors of a few tokens,
@@ -21,18 +23,22 @@ from llmtrace import load_model, meta_model
 if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
 
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
 
 def pytest_xdist_make_scheduler(config, log):
     """Under `pytest -n 2 --dist loadscope` (make test) a worker takes a whole scope: a test module,
     or a notebook, whose cells must share one kernel. The chapters' runs on the tiny Llama
     checkpoint make two scopes (even and odd chapters), so the two workers share them; the
-    chapters of one scope run in one kernel (test_chapters_any_model.py)."""
+    chapters of one scope run in one kernel (test_chapters_any_model.py). The runs of the
+    chapters' visible cells alone (test_visible_cells.py) are split the same way."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ChaptersApart(LoadScopeScheduling):
         def _split_scope(self, nodeid):
-            chapter = re.search(r"test_chapters_any_model.py::(\w+)\[(\d\d)_", nodeid)
-            if chapter and "random" in chapter[1]:
+            chapter = re.search(r"test_(?:chapters_any_model|visible_cells).py::(\w+)\[(\d\d)_",
+                                nodeid)
+            if chapter and ("random" in chapter[1] or "visible" in chapter[1]):
                 return f"{chapter[1]}-{int(chapter[2]) % 2}"
             return super()._split_scope(nodeid)
 
@@ -89,3 +95,22 @@ def llama_tok():
     from llmtrace.weights.tokenizer_llama import llama_tokenizer
 
     return llama_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """One Jupyter kernel per checkpoint, in notebooks/, started on first use with LLMTRACE_MODEL
+    set to it."""
+    started = {}
+
+    def kernel(checkpoint):
+        if checkpoint not in started:
+            env = {**os.environ, "LLMTRACE_MODEL": str(checkpoint)}
+            started[checkpoint] = start_new_kernel(kernel_name="python3", env=env,
+                                                   cwd=str(NOTEBOOKS))
+        return started[checkpoint]
+
+    yield kernel
+    for km, kc in started.values():
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

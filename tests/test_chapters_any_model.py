@@ -18,13 +18,11 @@ settings) does carry over to the next; nbval runs each chapter in a fresh kernel
 """
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import nbformat
 import pytest
-from jupyter_client.manager import start_new_kernel
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 from nbformat.v4 import new_code_cell, new_notebook
@@ -32,24 +30,6 @@ from nbformat.v4 import new_code_cell, new_notebook
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 # the whole machine and attention, and the appendix on the families
 FAMILY_CHAPTERS = [p for p in NOTEBOOKS if p.stem[:2] in ("01", "06", "13", "16")]
-
-
-@pytest.fixture(scope="session")
-def kernels():
-    """One kernel per checkpoint, started on first use with LLMTRACE_MODEL set to it."""
-    started = {}
-
-    def kernel(checkpoint):
-        if checkpoint not in started:
-            env = {**os.environ, "LLMTRACE_MODEL": str(checkpoint)}
-            started[checkpoint] = start_new_kernel(kernel_name="python3", env=env,
-                                                   cwd=str(NOTEBOOKS[0].parent))
-        return started[checkpoint]
-
-    yield kernel
-    for km, kc in started.values():
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
 
 
 def execute(path, kernel):

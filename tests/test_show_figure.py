@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from llmtrace import LlmTraceError
+
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
@@ -49,7 +51,7 @@ def heatmap(z, title="</script><!-- a title -->"):
     import plotly.graph_objects as go
 
     fig = go.Figure(go.Heatmap(z=z, x=["a", "b"], y=["c", "d"]))
-    return fig.update_layout(title=title)
+    return fig.update_layout(title=title, xaxis_title="key", yaxis_title="query")
 
 
 def test_the_bundle_has_the_summary_the_figure_and_its_json(book, monkeypatch):
@@ -89,6 +91,7 @@ def test_a_matplotlib_figure_is_the_static_image(book, monkeypatch):
 
     m, ax = plt.subplots(figsize=(2, 1))
     ax.plot([0, 1], [1, 0])
+    ax.set(xlabel="x", ylabel="y")
     html = shown(book, monkeypatch, heatmap([[1, 2], [3, 4]]), "x", static=m)["text/html"]
     assert "llmtrace-static" in html and not plt.fignum_exists(m.number)  # drawn, then closed
 
@@ -109,3 +112,15 @@ def test_nbval_does_not_compare_the_figure_json():
     notebooks_conftest.pytest_collection_modifyitems([Cell(), Cell()])
     assert Notebook.skip_compare == ("metadata", "traceback")  # the class is untouched
     assert Cell.parent.skip_compare == ("metadata", "traceback", "application/vnd.plotly.v1+json")
+
+
+def test_an_axis_with_ticks_and_no_title_is_refused(book, monkeypatch):
+    fig = heatmap([[0.1, 0.9], [0.5, 0.5]]).update_layout(yaxis_title=None)
+    with pytest.raises(LlmTraceError, match="its yaxis has tick labels and no title"):
+        shown(book, monkeypatch, fig, "two rows")
+
+
+def test_small_ticks_are_refused(book, monkeypatch):
+    fig = heatmap([[0.1, 0.9], [0.5, 0.5]]).update_xaxes(tickfont_size=7)
+    with pytest.raises(LlmTraceError, match="the ticks of its xaxis are under 12 px"):
+        shown(book, monkeypatch, fig, "two rows")

@@ -104,6 +104,9 @@ def block(x, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE
     return trace.record(f"{name}.resid_out", "h + mlp(mlp_norm(h))",
                         x + h)  # [B, T, D]
 
+# the book's two models by the names a reader knows them by (config name -> label)
+LABELS = {"smollm2-135m": "SmolLM2-135M", "tinyllama-1.1b": "TinyLlama-1.1B"}
+
 
 class Model:
     def __init__(self, config: Config, weights: Weights, tokenizer=None, source: str = ""):
@@ -115,6 +118,12 @@ class Model:
     @property
     def name(self) -> str:
         return self.config.name
+
+    @property
+    def label(self) -> str:
+        """The name a reader knows the model by, for printouts: "SmolLM2-135M" for the embedded
+        model, "TinyLlama-1.1B", else the config's name (a checkpoint's directory)."""
+        return LABELS.get(self.config.name, self.config.name)
 
     @property
     def device(self) -> torch.device:
