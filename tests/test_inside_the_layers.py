@@ -6,15 +6,17 @@ and against llmtrace's own patches.
   entering every layer: the layer where the two swap;
 - the share of the effect that the top head carries, and its direct part;
 - the direct logit attribution of that head's layer;
-- that head knocked out (noising), ablated (zero, mean, resample), patched into every ordered pair
-  of two prompts, and the other heads of its layer patched together;
-- its attention pattern and its values, each patched alone;
+- that head noised (the corrupted run's output written in: m, and the answer flips), ablated
+  (zero, mean, resample), patched into every ordered pair of two prompts, and the other heads of
+  its layer patched together;
+- its attention pattern and its values, each patched alone, and a uniform pattern in its place;
 - per-sublayer tracing at the country's position (each MLP and attention output alone, MLP 0 both
   ways, the later MLPs together), with HF's module outputs replaced by forward hooks;
 - the head's change sent to one receiver at a time (HF's norms before the MLPs, the attention, the
   logits take it on their input alone);
-- the head's OV circuit read through the unembedding, from HF's hidden states;
-- the massive activation's control (random dimensions zeroed) and how close the mean is.
+- the head's OV circuit read through the unembedding, from HF's hidden states, and every head's;
+- the massive activation's controls (random dimensions zeroed; position 0 moved as far, in a
+  random direction) and how close the mean is.
 """
 
 import ast
@@ -327,6 +329,8 @@ def test_noising_ablation_and_every_ordered_pair_as_the_chapter_says(
     noised = m_of(with_head(hf, ids, layer, head, hd, z[corr, head]), a, b)
     removed = (m_clean - noised) / (m_clean - m_corr)
     assert_ci(removed, ci_said(f"noising, {N} pairs: removes", text))
+    (said_noised,) = number(r"m goes from -?[\d.]+ to (-?[\d.]+), and the answer flips", text)
+    assert abs(noised.mean() - said_noised) < 0.06 and noised.mean() < 0  # the answer flips
 
     # every ordered pair of two prompts, both ways
     I, J = torch.cartesian_prod(torch.arange(N), torch.arange(N)).T
@@ -352,6 +356,9 @@ def test_noising_ablation_and_every_ordered_pair_as_the_chapter_says(
         said_m, said_right, said_total = rows[kind].replace(" of ", " ").split()
         assert abs(m.mean() - float(said_m)) < 0.006, (kind, float(m.mean()), said_m)
         assert (int(right.sum()), total) == (int(said_right), int(said_total)), kind
+    # zero-ablation as a share of the gap between the clean and the corrupted m
+    assert_ci((m_clean - m_of(zero_lg, a, b)) / (m_clean - m_corr),
+              ci_said("zero-ablation removes", text))
 
     # the other heads of the layer, patched together, against the sum of their single patches
     rest = [h for h in range(H) if h != head]
@@ -400,6 +407,10 @@ def test_the_heads_pattern_against_its_values_as_the_chapter_says(
                     ("its values", (pattern[corr][:, None] @ v)[:, 0])]:
         m = m_of(with_head(hf, ids[corr], layer, head, hd, z), a, b)
         assert_ci(normalized(m, m_clean, m_corr), ci_said(half, text))
+
+    # a uniform pattern over every key, in the clean runs: the values' mean
+    m = m_of(with_head(hf, ids, layer, head, hd, v.mean(1)), a, b)
+    assert_ci((m_clean - m) / (m_clean - m_corr), ci_said("in the clean run: removes", text))
 
 
 def replace_at(module, pos, values, rows=None):
@@ -520,6 +531,27 @@ def test_the_heads_ov_circuit_ranks_the_capital_as_the_chapter_says(
     assert printed == {c: (r1, r2) for c, r1, r2 in zip(countries, early, late)}
     assert sorted(early)[(len(early) - 1) // 2] <= sorted(late)[(len(late) - 1) // 2]
 
+    # every head of every layer, from the stream entering layer 1, through HF's modules
+    N, H = len(ids), c.n_heads
+    with torch.no_grad():
+        ranks = []
+        for layer_l in hf.model.layers:
+            x = layer_l.input_layernorm(hidden[1][:, start])  # [N, D]
+            v = layer_l.self_attn.v_proj(x).view(N, c.n_kv_heads, hd)
+            v = v.repeat_interleave(c.n_rep, 1)  # [N, H, hd]
+            W = layer_l.self_attn.o_proj.weight.view(-1, H, hd)  # [D, H, hd]
+            lg = hf.lm_head(hf.model.norm(torch.einsum("nhe,dhe->nhd", v, W)))  # [N, H, V]
+            ranks.append((lg > lg.gather(2, a[:, None, None].expand(N, H, 1))).sum(-1) + 1)
+        med = torch.stack(ranks, 1).median(0).values  # [L, H]: the lower median
+    listed = re.search(r"median rank of the capital 40 or better: ([\d., ]+)\n", text).group(1)
+    assert [f"{l}.{h}" for l, h in (med <= 40).nonzero().tolist()] == listed.split(", ")
+    bl, bh, said_best = re.search(r"the best outside layer \d+: (\d+)\.(\d+), median rank "
+                                  r"about ([\d,]+)", text).groups()
+    outside = med.clone()
+    outside[layer] = med.max() + 1
+    assert divmod(int(outside.argmin()), H) == (int(bl), int(bh))
+    assert f"{float(f'{float(outside.min()):.2g}'):,.0f}" == said_best
+
 
 def test_the_massive_activations_control_as_the_chapter_says(
         embedded, hf_reference, pairs, chapter):
@@ -564,4 +596,25 @@ def test_the_massive_activations_control_as_the_chapter_says(
         hf_logits(hf, ids[:1])
         own = seen["out"][0, 0, dims]
     (said_gap,) = number(r"within ([\d.]+)% of the prompts' own values", text)
+
+    # the size-matched control: position 0 moved as far as zero-ablation moves it, at random
+    seen = {}
+    with Hooks() as hooks:
+        hooks.capture(hf.model.layers[massive], seen, "out", output=True)
+        hf_logits(hf, ids)
+    far = seen["out"][:, 0, dims].norm(dim=-1)  # [N]
+    u = torch.randn(len(draws), D, generator=torch.Generator().manual_seed(1))
+    u = u / u.norm(dim=-1, keepdim=True)
+
+    def move(mod, args, out):  # [R, T, D]
+        out = out.clone()
+        out[:, 0] += far[rows % N, None] * u.repeat_interleave(N, 0)
+        return out
+    h = hf.model.layers[massive].register_forward_hook(move)
+    try:
+        moved = (hf_logits(hf, ids[rows % N]).argmax(-1) == a[rows % N]).float().mean()
+    finally:
+        h.remove()
+    (said_moved,) = number(r"in a random direction, \d+ draws x \d+ prompts: (\d+)% right", text)
+    assert round(float(moved) * 100) == said_moved
     assert abs(float(((theirs - own) / own).abs().max()) * 100 - said_gap) < 0.051
