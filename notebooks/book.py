@@ -439,7 +439,7 @@ def tinyllama_card_html(stage: str | list[str], tiny: Trace, decode: Trace | Non
     shape = describe_config(c).split(": ", 1)[1]  # "22 layers, hidden 2048, ..."
     where = (f" Layer 0 shown: its {c.n_layers} layers have the same shapes."
              if any(r.name.startswith("layers.") for r in recs) else "")
-    ops = "operation" if len(recs) == 1 else "operations"
+    ops = f"operation{'s' * (len(recs) != 1)}{' in the prefill' * (decode_stage is not None)}"
     mine = ""
     if running is not None:
         t_run = running.encode(PROMPT).shape[1]
