@@ -261,18 +261,20 @@ def _abridge_doc(text: str, dropped: list[str], family: str) -> tuple[str, int]:
     kept, starting = [], True
     for line in lines:
         pad = line[:len(line) - len(line.lstrip())]
-        pieces = re.split(r"(?<=\.)\s+(?=\S)", line.strip())
+        pieces = re.split(r"(?<=[.;])\s+(?=\S)", line.strip())
         out = []
         for k, piece in enumerate(pieces):
-            whole = (starting or k > 0) and piece.endswith(".")
+            whole = (starting or k > 0) and piece.endswith((".", ";"))
             if not (whole and other.search(piece)):
                 out.append(piece)
-            starting = piece.endswith(".")
+            starting = piece.endswith((".", ";"))
         if out or not line.strip():
             kept.append(pad + " ".join(out))
     if not kept or not kept[0].strip():
         return text, 0  # a docstring all about other families stays whole
     kept[0] = head + kept[0]
+    if kept[-1].endswith(";"):  # its last sentence went: the one before ends it
+        kept[-1] = kept[-1][:-1] + "."
     if tail:
         kept[-1] += quote
     return "".join(line + "\n" for line in kept), len(lines) - len(kept)

@@ -89,11 +89,22 @@ def test_the_llama_listing_still_runs_as_the_library_does(llama):
 
 
 def test_the_llama_listing_says_where_the_lines_went(llama):
-    code, gone = listing(block, llama)
+    code, gone = listing(attention, llama)
     notes = [line.strip() for line in code.splitlines() if "other families" in line]
-    assert notes == ["# ... 3 lines other families run here: chapter 16"] * 2
-    assert gone == 7  # and the docstring's sentence on sandwich_norm (Gemma)
-    assert "if config.sandwich_norm" in source(block)  # ... which the library has
+    assert notes == [f"# ... {n} lines other families run here: chapter 16" for n in (7, 5, 2)]
+    assert gone == 14
+    assert "if config.qkv_bias" in source(attention)  # ... which the library has
+
+
+def test_a_docstring_loses_only_the_other_familys_sentences():
+    doc = ('    """What the MLP adds to the stream [B, T, D];\n'
+           '    sandwich_norm (Gemma): normalized once more before the add."""\n')
+    assert book._abridge_doc(doc, [], "llama") == (
+        '    """What the MLP adds to the stream [B, T, D]."""\n', 1)
+    assert book._abridge_doc(doc, [], "gemma3_text") == (doc, 0)
+    mixed = '    """Scaled dot products. window [T, S]: a window\'s mask."""\n'
+    assert book._abridge_doc(mixed, ["window"], "llama")[0] == \
+        '    """Scaled dot products."""\n'
 
 
 @pytest.mark.parametrize("fn", LISTED, ids=lambda f: f.__qualname__)
