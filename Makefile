@@ -85,7 +85,11 @@ WEB_PLACE := $(PY) -m llmtrace.export --out _build/html/_static/web
 web: setup
 	$(PY) -m llmtrace.export
 
-book: setup graphviz $(MATHJAX) $(PLOTLY_JS) $(PAGE_JS) web
+# the exercises page, written from the exercises' registry (notebooks/exercises)
+book/exercises.md: $(VENV)/.installed $(wildcard notebooks/exercises/*.py)
+	$(PY) notebooks/exercises/page.py
+
+book: setup graphviz $(MATHJAX) $(PLOTLY_JS) $(PAGE_JS) web book/exercises.md
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going --config $(BOOK_CONFIG)
 	$(WEB_PLACE)
 
@@ -109,7 +113,7 @@ browser: graphviz
 # built from those outputs (_build/_config_test.yml: _config.yml with execution off). Two workers
 # share the two cores, one thread each (a notebook's cells stay on one worker: --dist loadscope);
 # the chapters come first, the longest work, so that the short tests fill the end
-test: setup graphviz $(MATHJAX) $(PLOTLY_JS) $(PAGE_JS) browser web
+test: setup graphviz $(MATHJAX) $(PLOTLY_JS) $(PAGE_JS) browser web book/exercises.md
 	OMP_NUM_THREADS=1 LLMTRACE_MODEL=embedded $(PY) -m pytest -n 2 --dist loadscope \
 		notebooks tests --ignore tests/test_book.py --ignore tests/test_page.py --ignore tests/test_wheel.py \
 		--nbval --nbval-sanitize-with notebooks/sanitize.cfg

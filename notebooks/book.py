@@ -76,9 +76,9 @@ def readable_piece(tokenizer, i: int) -> str:
     text = display_piece(tokenizer, i)
     if "\ufffd" not in text or tokenizer.kind == "sentencepiece":
         return text
-    from llmtrace.exercises import _bytes_to_unicode  # GPT-2's byte <-> character table
+    from exercises.ch02_tokenization import bytes_to_unicode  # GPT-2's byte <-> character
 
-    to_byte = {ch: b for b, ch in _bytes_to_unicode().items()}
+    to_byte = {ch: b for b, ch in bytes_to_unicode().items()}
     raw = bytes(to_byte[ch] for ch in tokenizer.id_to_piece(i))
     codecs.register_error("llmtrace-bytes", lambda e: (
         "".join(f"<0x{b:02X}>" for b in e.object[e.start:e.end]), e.end))

@@ -6,14 +6,18 @@ model loaded from it, `tiny`), and the Jupyter kernels the chapters run in on su
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import PROMPT
-from jupyter_client.manager import start_new_kernel
-from llmtrace import load_model, meta_model
+# the book's exercises live beside the chapters (notebooks/exercises): `from exercises import check`
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
+
+from helpers import PROMPT  # noqa: E402
+from jupyter_client.manager import start_new_kernel  # noqa: E402
+from llmtrace import load_model, meta_model  # noqa: E402
 
 # One intra-op thread unless OMP_NUM_THREADS says otherwise. The tests run tensors of a few tokens,
 # where a second thread saves nothing and, on a busy machine, spins while it waits for the other:

@@ -41,7 +41,7 @@ def nan_weight(d: Path, name: str, value: float = float("nan")) -> None:
 
 def verdict(capsys, name, fn, model) -> tuple[bool, str]:
     """An exercise's check on fn: whether it passed, and the one line it printed."""
-    from llmtrace.exercises import check
+    from exercises import check
 
     ok = check(name, fn, model=model)
     out = capsys.readouterr().out

@@ -5,7 +5,16 @@ and against llmtrace's own patches.
 - the effect of patching the residual stream, at the country's position and at the last one,
   entering every layer: the layer where the two swap;
 - the share of the effect that the top head carries, and its direct part;
-- the direct logit attribution of that head's layer.
+- the direct logit attribution of that head's layer;
+- that head knocked out (noising), ablated (zero, mean, resample), patched into every ordered pair
+  of two prompts, and the other heads of its layer patched together;
+- its attention pattern and its values, each patched alone;
+- per-sublayer tracing at the country's position (each MLP and attention output alone, MLP 0 both
+  ways, the later MLPs together), with HF's module outputs replaced by forward hooks;
+- the head's change sent to one receiver at a time (HF's norms before the MLPs, the attention, the
+  logits take it on their input alone);
+- the head's OV circuit read through the unembedding, from HF's hidden states;
+- the massive activation's control (random dimensions zeroed) and how close the mean is.
 """
 
 import ast
@@ -182,7 +191,7 @@ def test_the_top_heads_share_and_its_direct_part_as_the_chapter_says(
     c = embedded.config
     hd = c.head_dim
     layer, head, mean, lo, hi = number(
-        r"head (\d+)\.(\d+) alone brings back (-?[\d.]+) of the clean answer "
+        r"head (\d+)\.(\d+) alone restores (-?[\d.]+) of the clean answer "
         r"\(from (-?[\d.]+) to (-?[\d.]+)", text)
     cols = slice(head * hd, (head + 1) * hd)
     z_clean = seen[("z", layer)][:, -1, cols]  # [N, hd]: the head's output, clean runs
@@ -233,7 +242,7 @@ def test_direct_logit_attribution_of_the_layer_as_the_chapter_says(
     seen, _, _ = clean_runs
     _, text = chapter
     comp, mean, lo, hi = number(r"The largest direct term is `(\d+)\.attn`, "
-                                r"\+?(-?[\d.]+) \(from \+?(-?[\d.]+) to \+?(-?[\d.]+)\)", text)
+                                r"\+?(-?[\d.]+) \(from \+?(-?[\d.]+) to \+?(-?[\d.]+);", text)
     norm = hf_reference.model.norm
     x = seen["final"][:, -1]  # [N, D]: the stream the final norm reads
     rms = (x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon).sqrt()
@@ -251,3 +260,308 @@ def test_direct_logit_attribution_of_the_layer_as_the_chapter_says(
         t["final_norm.mean_sq"][:, -1] + embedded.config.norm_eps).sqrt()
     ours = (t[f"layers.{comp}.attn.out"][:, -1] * ours_dir).sum(-1)
     assert torch.allclose(ours, dla, atol=1e-3)
+
+
+# --- the additions: noising, ablation, the head's pattern and values, per-sublayer tracing, a
+# path to one receiver, the OV circuit, the massive activation's control ---------------------
+
+def interval(x, n=10_000, seed=0):
+    """The chapter's 95% interval: a bootstrap of the mean over the pairs, seed 0."""
+    g = torch.Generator().manual_seed(seed)
+    x = x.double()
+    means = x[torch.randint(len(x), (n, len(x)), generator=g)].mean(1)
+    return float(means.quantile(0.025)), float(means.quantile(0.975))
+
+
+def ci_said(label, text):
+    """'<label> 0.87 (95% CI 0.81 to 0.95)' in the chapter's output -> (mean, lo, hi)."""
+    return number(re.escape(label) + r"\s*(-?[\d.]+) \(95% CI (-?[\d.]+) to (-?[\d.]+)\)", text)
+
+
+def assert_ci(x, said, tol=0.006):  # printed to two decimals
+    got = (float(x.mean()), *interval(x))
+    assert all(abs(g - s) < tol for g, s in zip(got, said)), (got, said)
+
+
+def key_head(text):
+    layer, head = number(r"head (\d+)\.(\d+) alone restores", text)
+    return layer, head
+
+
+def normalized(m, m_clean, m_corr):
+    return (m - m_corr) / (m_clean - m_corr)
+
+
+@pytest.fixture(scope="module")
+def all_logits(hf_reference, pairs):
+    """HF's last-position logits of every prompt, unpatched."""
+    return hf_logits(hf_reference, pairs[0])
+
+
+def with_head(hf, ids, layer, head, hd, values):
+    """HF logits of `ids` with one head's output (o_proj's input columns) at the last position
+    set to `values` [R, hd]."""
+    cols = slice(head * hd, (head + 1) * hd)
+
+    def put(x):  # [R, T, H*hd]
+        x = x.clone()
+        x[:, -1, cols] = values
+        return x
+    with Hooks() as hooks:
+        hooks.replace(hf.model.layers[layer].self_attn.o_proj, put)
+        return hf_logits(hf, ids)
+
+
+def test_noising_ablation_and_every_ordered_pair_as_the_chapter_says(
+        embedded, hf_reference, pairs, chapter, clean_runs, all_logits):
+    ids, a, b, corr, _ = pairs
+    seen, m_clean, m_corr = clean_runs
+    _, text = chapter
+    hf, hd, H = hf_reference, embedded.config.head_dim, embedded.config.n_heads
+    layer, head = key_head(text)
+    N = len(ids)
+    z = seen[("z", layer)][:, -1].view(N, H, hd)  # [N, H, hd]: every prompt's heads
+    first = a  # clean i is prompt i: its answer is a[i]
+
+    # noising: the clean prompts with the corrupted prompts' head
+    noised = m_of(with_head(hf, ids, layer, head, hd, z[corr, head]), a, b)
+    removed = (m_clean - noised) / (m_clean - m_corr)
+    assert_ci(removed, ci_said(f"noising, {N} pairs: removes", text))
+
+    # every ordered pair of two prompts, both ways
+    I, J = torch.cartesian_prod(torch.arange(N), torch.arange(N)).T
+    keep = I != J
+    I, J = I[keep], J[keep]
+    mc, mr = m_of(all_logits[I], first[I], first[J]), m_of(all_logits[J], first[I], first[J])
+    den = m_of(with_head(hf, ids[J], layer, head, hd, z[I, head]), first[I], first[J])
+    res_lg = with_head(hf, ids[I], layer, head, hd, z[J, head])
+    res = m_of(res_lg, first[I], first[J])
+    assert_ci((den - mr) / (mc - mr), ci_said(f"denoising, all {len(I)} ordered pairs: restores",
+                                              text))
+    assert_ci((mc - res) / (mc - mr), ci_said(f"noising, all {len(I)} ordered pairs: removes",
+                                              text))
+
+    # ablations: m and the right answers, as the chapter's table prints them
+    rows = dict(re.findall(r"^\s+(zero|mean|resample)\s+(-?[\d.]+\s+\d+ of \d+)", text, re.M))
+    zero_lg = with_head(hf, ids, layer, head, hd, torch.zeros(N, hd))
+    mean_lg = with_head(hf, ids, layer, head, hd, z[:, head].mean(0).expand(N, hd))
+    for kind, (m, right, total) in {
+            "zero": (m_of(zero_lg, a, b), zero_lg.argmax(-1) == first, N),
+            "mean": (m_of(mean_lg, a, b), mean_lg.argmax(-1) == first, N),
+            "resample": (res, res_lg.argmax(-1) == first[I], len(I))}.items():
+        said_m, said_right, said_total = rows[kind].replace(" of ", " ").split()
+        assert abs(m.mean() - float(said_m)) < 0.006, (kind, float(m.mean()), said_m)
+        assert (int(right.sum()), total) == (int(said_right), int(said_total)), kind
+
+    # the other heads of the layer, patched together, against the sum of their single patches
+    rest = [h for h in range(H) if h != head]
+    cols = torch.cat([torch.arange(h * hd, (h + 1) * hd) for h in rest])
+
+    def put_rest(x):  # [N, T, H*hd]: the corrupted runs
+        x = x.clone()
+        x[:, -1, cols] = seen[("z", layer)][:, -1, cols]
+        return x
+    with Hooks() as hooks:
+        hooks.replace(hf.model.layers[layer].self_attn.o_proj, put_rest)
+        together = normalized(m_of(hf_logits(hf, ids[corr]), a, b), m_clean, m_corr)
+    singles = sum(normalized(m_of(with_head(hf, ids[corr], layer, h, hd, z[:, h]), a, b),
+                             m_clean, m_corr).mean() for h in rest)
+    said_t, said_s = number(r"patched together, bring back (-?[\d.]+); the sum of their \d+ "
+                            r"single patches is (-?[\d.]+)", text)
+    assert abs(together.mean() - said_t) < 0.006 and abs(singles - said_s) < 0.006
+    assert together.mean() < singles - 0.02  # patches need not add: here they do not
+
+
+def test_the_heads_pattern_against_its_values_as_the_chapter_says(
+        embedded, hf_reference, pairs, chapter, clean_runs):
+    ids, a, b, corr, _ = pairs
+    _, m_clean, m_corr = clean_runs
+    _, text = chapter
+    c = embedded.config
+    hf, hd = hf_reference, c.head_dim
+    layer, head = key_head(text)
+    attn = hf.model.layers[layer].self_attn
+    seen = {}
+    with Hooks() as hooks:  # the clean runs: the layer's weights and values
+        hooks.handles.append(attn.register_forward_hook(
+            lambda mod, args, out: seen.__setitem__("weights", out[1])))
+        hooks.capture(attn.v_proj, seen, "v", output=True)
+        hf_logits(hf, ids)
+    N, T = ids.shape
+    pattern = seen["weights"][:, head, -1]  # [N, T]
+    kv = head // c.n_rep
+    v = seen["v"].view(N, T, c.n_kv_heads, hd)[:, :, kv]  # [N, T, hd]
+    start = int((ids != ids[0]).any(0).nonzero()[0])
+    (said_w,) = number(r"<country> ([\d.]+)", text)
+    assert abs(pattern[:, start].mean() - said_w) < 0.006
+
+    # the head's output with one half from the clean run: z = pattern @ values
+    for half, z in [("its pattern restores", (pattern[:, None] @ v[corr])[:, 0]),
+                    ("its values", (pattern[corr][:, None] @ v)[:, 0])]:
+        m = m_of(with_head(hf, ids[corr], layer, head, hd, z), a, b)
+        assert_ci(normalized(m, m_clean, m_corr), ci_said(half, text))
+
+
+def replace_at(module, pos, values, rows=None):
+    """A forward hook: the module's output at position pos, in `rows`, becomes values."""
+    def hook(mod, args, out):
+        out = out.clone()
+        r = slice(None) if rows is None else rows
+        out[r, pos] = values
+        return out
+    return module.register_forward_hook(hook)
+
+
+def test_per_sublayer_tracing_at_the_country_as_the_chapter_says(
+        embedded, hf_reference, pairs, chapter, clean_runs):
+    ids, a, b, corr, _ = pairs
+    _, m_clean, m_corr = clean_runs
+    _, text = chapter
+    hf = hf_reference
+    N = len(ids)
+    start = int((ids != ids[0]).any(0).nonzero()[0])
+    (flip,) = number(r"does it from the stream entering layer (\d+) on", text)
+    layers = hf.model.layers[:flip]
+    outs = {}
+    with Hooks() as hooks:  # every prompt's attention and MLP outputs at the country
+        for l, layer in enumerate(layers):
+            hooks.capture(layer.self_attn.o_proj, outs, ("attn", l), output=True)
+            hooks.capture(layer.mlp, outs, ("mlp", l), output=True)
+        hf_logits(hf, ids)
+
+    def effect(patches, runs, src):
+        """patches: [(kind, layer)]; runs the prompts `runs` with those outputs from `src`."""
+        with Hooks() as hooks:
+            for kind, l in patches:
+                mod = layers[l].self_attn.o_proj if kind == "attn" else layers[l].mlp
+                hooks.handles.append(replace_at(mod, start, outs[(kind, l)][src, start]))
+            return m_of(hf_logits(hf, ids[runs]), a, b)
+
+    clean = torch.arange(N)
+    mlp0 = normalized(effect([("mlp", 0)], corr, clean), m_clean, m_corr)
+    assert_ci(mlp0, ci_said("mlp.down of layer 0 alone: restores", text))
+    removed0 = (m_clean - effect([("mlp", 0)], clean, corr)) / (m_clean - m_corr)
+    assert_ci(removed0, ci_said("mlp.down of layer 0, noising: removes", text))
+    window = [("mlp", l) for l in range(1, flip)]
+    assert_ci(normalized(effect(window, corr, clean), m_clean, m_corr),
+              ci_said(f"mlp.down of layers 1-{flip - 1} together: restore", text))
+    assert_ci((m_clean - effect(window, clean, corr)) / (m_clean - m_corr),
+              ci_said("noising: remove", text))
+
+    # every single sublayer after MLP 0: the largest MLP, and the attention outputs' size
+    single = {(k, l): normalized(effect([(k, l)], corr, clean), m_clean, m_corr).mean()
+              for k in ("attn", "mlp") for l in range(flip) if (k, l) != ("mlp", 0)}
+    top, said_top = number(r"the largest, `(\d+)\.mlp`, restores (-?[\d.]+)", text)
+    assert max(range(1, flip), key=lambda l: single[("mlp", l)]) == top
+    assert abs(single[("mlp", top)] - said_top) < 0.006
+    (said_attn,) = number(r"no attention output at that position more than ([\d.]+) in size",
+                          text)
+    assert abs(max(abs(single[("attn", l)]) for l in range(flip)) - said_attn) < 0.006
+
+
+def test_the_heads_change_to_one_receiver_at_a_time_as_the_chapter_says(
+        embedded, hf_reference, pairs, chapter, clean_runs):
+    ids, a, b, corr, _ = pairs
+    seen, m_clean, m_corr = clean_runs
+    _, text = chapter
+    hf, hd = hf_reference, embedded.config.head_dim
+    L = embedded.config.n_layers
+    layer, head = key_head(text)
+    cols = slice(head * hd, (head + 1) * hd)
+    W = hf.model.layers[layer].self_attn.o_proj.weight[:, cols]  # [D, hd]
+    delta = (seen[("z", layer)][:, -1, cols] - seen[("z", layer)][corr, -1, cols]) @ W.T
+
+    def add_delta(x):  # [N, T, D]: a norm's input, at the last position
+        x = x.clone()
+        x[:, -1] += delta
+        return x
+
+    def path(norms):
+        """The corrupted runs with the head's change on these norms' inputs alone: the norm
+        before an MLP, before an attention, or the final one."""
+        with Hooks() as hooks:
+            for norm in norms:
+                hooks.replace(norm, add_delta)
+            return normalized(m_of(hf_logits(hf, ids[corr]), a, b), m_clean, m_corr)
+
+    layers = hf.model.layers
+    mlps = [layers[l].post_attention_layernorm for l in range(layer, L)]
+    attns = [layers[l].input_layernorm for l in range(layer + 1, L)]
+    assert_ci(path([hf.model.norm]), ci_said("logits:", text))
+    assert_ci(path(mlps), ci_said(f"MLPs {layer}-{L - 1}:", text))
+    assert_ci(path(attns), ci_said(f"attention {layer + 1}-{L - 1}:", text))
+    for l in range(layer, L):
+        assert_ci(path([layers[l].post_attention_layernorm]), ci_said(f"MLP {l}:", text))
+
+
+def test_the_heads_ov_circuit_ranks_the_capital_as_the_chapter_says(
+        embedded, hf_reference, pairs, chapter):
+    ids, a, _, _, countries = pairs
+    _, text = chapter
+    c = embedded.config
+    hf, hd = hf_reference, c.head_dim
+    layer, head = key_head(text)
+    start = int((ids != ids[0]).any(0).nonzero()[0])
+    with torch.no_grad():
+        hidden = hf(ids, output_hidden_states=True).hidden_states  # entering each layer
+        attn = hf.model.layers[layer].self_attn
+        kv = head // c.n_rep
+        W_V = attn.v_proj.weight[kv * hd:(kv + 1) * hd]  # [hd, D]
+        W_O = attn.o_proj.weight[:, head * hd:(head + 1) * hd]  # [D, hd]
+
+        def ranks(l):  # the capital's rank, the stream entering layer l through the circuit
+            x = hf.model.layers[layer].input_layernorm(hidden[l][:, start])  # [N, D]
+            lg = hf.lm_head(hf.model.norm((x @ W_V.T) @ W_O.T))  # [N, V]
+            return ((lg > lg.gather(1, a[:, None])).sum(-1) + 1).tolist()
+
+        early, late = ranks(1), ranks(layer)
+    printed = dict((name, (int(r1), int(r2))) for name, r1, r2 in
+                   re.findall(r"^\s+(\w+)\s+(\d+)\s+(\d+)$", text, re.M) if name in countries)
+    assert printed == {c: (r1, r2) for c, r1, r2 in zip(countries, early, late)}
+    assert sorted(early)[(len(early) - 1) // 2] <= sorted(late)[(len(late) - 1) // 2]
+
+
+def test_the_massive_activations_control_as_the_chapter_says(
+        embedded, hf_reference, pairs, chapter):
+    ids, a, _, _, _ = pairs
+    _, text = chapter
+    hf = hf_reference
+    massive, *dims = number(r"jumps in layer (\d+) to a largest value.*?Dimensions? "
+                            r"(\d+) and (\d+) hold", text)
+    cells = json.loads(CHAPTER.read_text())["cells"]
+    src = next("".join(c["source"]) for c in cells if "texts = [" in "".join(c["source"]))
+    begin = src.index("texts = [") + len("texts = ")
+    texts = ast.literal_eval(src[begin:src.index("]", begin) + 1])
+    D = embedded.config.hidden_size
+
+    # random dimensions drawn as the chapter draws them, zeroed at the first position
+    g = torch.Generator().manual_seed(0)
+    pool = torch.tensor([d for d in range(D) if d not in dims])
+    draws = torch.stack([pool[torch.randperm(len(pool), generator=g)[:len(dims)]]
+                         for _ in range(8)])  # [8, dims]
+    N = len(ids)
+    rows = torch.arange(len(draws) * N)
+
+    def zero(mod, args, out):  # [R, T, D]: the layer's output
+        out = out.clone()
+        out[rows[:, None], 0, draws.repeat_interleave(N, 0)] = 0
+        return out
+    h = hf.model.layers[massive].register_forward_hook(zero)
+    try:
+        right = (hf_logits(hf, ids[rows % N]).argmax(-1) == a[rows % N]).float().mean()
+    finally:
+        h.remove()
+    (said,) = number(r"(\d+)% of the answers right", text)
+    assert round(float(right) * 100) == said == 100
+
+    # the mean over the texts' first positions against the prompts' own
+    seen = {}
+    with Hooks() as hooks:
+        hooks.capture(hf.model.layers[massive], seen, "out", output=True)
+        firsts = torch.cat([embedded.encode(s)[:, :1] for s in texts])
+        hf_logits(hf, firsts)
+        theirs = seen["out"][:, 0, dims].mean(0)
+        hf_logits(hf, ids[:1])
+        own = seen["out"][0, 0, dims]
+    (said_gap,) = number(r"within ([\d.]+)% of the prompts' own values", text)
+    assert abs(float(((theirs - own) / own).abs().max()) * 100 - said_gap) < 0.051

@@ -82,6 +82,27 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
     return sd
 
 
+def attn_sublayer(h, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE,
+                  name="layers.0") -> torch.Tensor:
+    """What attention adds to the stream: attention of the normalized stream h [B, T, D];
+    sandwich_norm (Gemma): normalized once more before the add."""
+    h = attention(h, w, config, pos, cache, trace, f"{name}.attn")  # [B, T, D]
+    if config.sandwich_norm:
+        h = rms_norm(h, w.post_attn_norm, config.norm_eps, trace,
+                     f"{name}.attn_post_norm", config.norm_offset)  # [B, T, D]
+    return h
+
+
+def mlp_sublayer(h, w: LayerWeights, config, trace=NO_TRACE, name="layers.0") -> torch.Tensor:
+    """What the MLP adds to the stream: the FFN of the normalized stream h [B, T, D];
+    sandwich_norm (Gemma): normalized once more before the add."""
+    h = swiglu(h, w, trace, f"{name}.mlp", config.mlp_act)  # [B, T, D]
+    if config.sandwich_norm:
+        h = rms_norm(h, w.post_mlp_norm, config.norm_eps, trace,
+                     f"{name}.mlp_post_norm", config.norm_offset)  # [B, T, D]
+    return h
+
+
 def block(x, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE,
           name="layers.0") -> torch.Tensor:
     """One block, pre-norm: h = x + attention(norm(x)), then h + mlp(norm(h)).
@@ -89,18 +110,12 @@ def block(x, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE
     eps, off = config.norm_eps, config.norm_offset
     h = rms_norm(x, w.attn_norm, eps, trace, f"{name}.attn_norm",
                  off)  # [B, T, D]
-    h = attention(h, w, config, pos, cache, trace, f"{name}.attn")  # [B, T, D]
-    if config.sandwich_norm:
-        h = rms_norm(h, w.post_attn_norm, eps, trace, f"{name}.attn_post_norm",
-                     off)  # [B, T, D]
+    h = attn_sublayer(h, w, config, pos, cache, trace, name)  # [B, T, D]
     x = trace.record(f"{name}.resid_mid", "x + attn(attn_norm(x))",
                      x + h)  # [B, T, D]
     h = rms_norm(x, w.mlp_norm, eps, trace, f"{name}.mlp_norm",
                  off)  # [B, T, D]
-    h = swiglu(h, w, trace, f"{name}.mlp", config.mlp_act)  # [B, T, D]
-    if config.sandwich_norm:
-        h = rms_norm(h, w.post_mlp_norm, eps, trace, f"{name}.mlp_post_norm",
-                     off)  # [B, T, D]
+    h = mlp_sublayer(h, w, config, trace, name)  # [B, T, D]
     return trace.record(f"{name}.resid_out", "h + mlp(mlp_norm(h))",
                         x + h)  # [B, T, D]
 

@@ -1,0 +1,180 @@
+"""Chapter 14: a patch, then one head's direct logit attribution."""
+
+import torch
+
+from llmtrace.errors import LlmTraceError
+
+from .registry import PROMPT, Case, Edited, ReturnedNone, Stub, copy_inputs, edited, \
+    exercise, is_stub, run, trace_of
+from .verdicts import shape, tensor_compare, with_rtol
+
+OTHER = "The capital of Germany is"  # the corrupted prompt
+
+
+def patch_country(stream: torch.Tensor, other: torch.Tensor, pos: int) -> torch.Tensor:
+    """An activation patch. stream [1, T, D]: the residual stream of the France prompt as it
+    flows through the model; other [1, T, D]: the same tensor from the Germany prompt; pos: the
+    country's position. -> a new tensor: `stream` with `other`'s vector at `pos`."""
+    out = stream.clone()  # the trace keeps the original: do not change it in place
+    out[:, pos] = other[:, pos]
+    return out
+
+
+def head_logit_attribution(acts: dict, weights, config, layer: int, head: int, clean: int,
+                           corrupt: int) -> float:
+    """One head's direct logit attribution (chapter 14's), for the France prompt. acts: the
+    traced run's tensors by name (every record of `layers.{layer}.` and `final_norm.mean_sq`);
+    weights, config: the model's; layer, head: the head; clean, corrupt: the token ids of the
+    two answers (" Paris", " Berlin") -> a float: what the head's output at the last position
+    adds to m = logit(clean) - logit(corrupt) straight through the final norm, whose divisor
+    (its RMS) is frozen as it was in the run, and the LM head. The head writes its own columns
+    of o_proj times its output z (`attn.weighted_sum`); with sandwich_norm (Gemma), through the
+    norm after attention too, its divisor frozen the same way."""
+    c, w = config, weights.layers[layer]
+    D, H, hd = c.hidden_size, c.n_heads, c.head_dim
+    one = 1.0 if c.norm_offset else 0.0  # Gemma's norms scale by (1 + weight)
+    z = acts[f"layers.{layer}.attn.weighted_sum"][0, head, -1]  # [hd]: last position
+    out = w.o_proj.view(D, H, hd)[:, head] @ z  # [D]: the head's columns of o_proj, times z
+    if c.sandwich_norm:  # Gemma: through the norm after attention, its divisor frozen
+        ms = acts[f"layers.{layer}.attn_post_norm.mean_sq"][0, -1]  # [1]
+        out = out * (w.post_attn_norm + one) / (ms + c.norm_eps).sqrt()  # [D]
+    rms = (acts["final_norm.mean_sq"][0, -1] + c.norm_eps).sqrt()  # [1]: frozen
+    u = weights.lm_head[clean] - weights.lm_head[corrupt]  # [D]: the two answers' rows
+    direction = (weights.final_norm + one) * u / rms  # [D]
+    return float(out @ direction)  # a dot product: the head's share of m
+
+
+def answers(model) -> tuple[int, int]:
+    """The first token of " Paris" after the France prompt and of " Berlin" after Germany's."""
+    T, T2 = model.encode(PROMPT).shape[1], model.encode(OTHER).shape[1]
+    return (int(model.encode(f"{PROMPT} Paris")[0, T]),
+            int(model.encode(f"{OTHER} Berlin")[0, T2]))
+
+
+def all_heads(model, trace, a, b):
+    """[L, H]: every head's direct term, as chapter 14 computes it (one einsum per layer),
+    and the check that the heads of a layer sum to its attention's direct term."""
+    c, w = model.config, model.weights
+    D, H, hd, eps = c.hidden_size, c.n_heads, c.head_dim, c.norm_eps
+    one = 1.0 if c.norm_offset else 0.0
+    rms = (trace["final_norm.mean_sq"][0, -1] + eps).sqrt()
+    direction = (w.final_norm + one) * (w.lm_head[a] - w.lm_head[b]) / rms  # [D]
+    rows = []
+    for l, lw in enumerate(w.layers):
+        z = trace[f"layers.{l}.attn.weighted_sum"][0, :, -1]  # [H, hd]
+        head_out = torch.einsum("he,dhe->hd", z, lw.o_proj.view(D, H, hd))  # [H, D]
+        added = trace[f"layers.{l}.attn.out"][0, -1]  # [D]
+        if c.sandwich_norm:
+            post = (lw.post_attn_norm + one) / (
+                trace[f"layers.{l}.attn_post_norm.mean_sq"][0, -1] + eps).sqrt()
+            head_out, added = head_out * post, added * post
+        if not torch.allclose(head_out.sum(0), added, atol=1e-4, rtol=1e-4):
+            raise LlmTraceError(f"layer {l}'s heads do not add up to its attn.out")
+        rows.append(head_out @ direction)  # [H]
+    return torch.stack(rows)  # [L, H]
+
+
+def _dla_variant(mistake):
+    def dla(acts, weights, c, layer, head, clean, corrupt):
+        w = weights.layers[layer]
+        D, H, hd = c.hidden_size, c.n_heads, c.head_dim
+        one = 1.0 if c.norm_offset else 0.0
+        z = acts[f"layers.{layer}.attn.weighted_sum"][0, head, 0 if mistake == "first" else -1]
+        out = w.o_proj.view(D, H, hd)[:, head] @ z
+        if c.sandwich_norm:
+            ms = acts[f"layers.{layer}.attn_post_norm.mean_sq"][0, -1]
+            out = out * (w.post_attn_norm + one) / (ms + c.norm_eps).sqrt()
+        rms = (acts["final_norm.mean_sq"][0, -1] + c.norm_eps).sqrt()
+        if mistake == "own_rms":
+            rms = (out.pow(2).mean() + c.norm_eps).sqrt()
+        u = weights.lm_head[clean] - weights.lm_head[corrupt]
+        gain = 1.0 + one if mistake == "no_gain" else weights.final_norm + one
+        return float(out @ (gain * u / rms))
+    return dla
+
+
+@exercise(14, patch_country)
+def _(model) -> Case:
+    ids, other_ids = model.encode(PROMPT), model.encode(OTHER)  # [1, T] each
+    differ = (ids != other_ids).nonzero() if ids.shape == other_ids.shape else []
+    if len(differ) != 1:
+        raise LlmTraceError(f"{model.name}'s tokenizer does not split {PROMPT!r} and {OTHER!r} "
+                            "into the same number of tokens differing in one")
+    pos = int(differ[0, 1])
+    L = model.config.n_layers
+    name = f"layers.{max(L // 2 - 1, 0)}.resid_out"  # the stream entering the middle layer
+    other = model.run(other_ids, names=[name])[1][name]  # [1, T, D]
+    stream = trace_of(model)[name]
+
+    def call(fn):
+        run(fn, stream, other, pos, names=["stream", "other", "pos"])  # a stub, an edit: here
+
+        def patch(t):
+            before = t.clone()
+            out = fn(t, other.clone(), pos)
+            if not torch.equal(t, before):
+                raise Edited("your function changed `stream` in place: the stream the model "
+                             "passes on is the one you return; copy it first (stream.clone())")
+            return out
+        logits, _ = model.run(ids, keep_values=False, patch={name: patch})
+        return logits  # [1, T, V]
+
+    T = ids.shape[1]
+    mistakes = [(lambda s, o, p: o.clone(), "patch only the country's position, pos"),
+                (lambda s, o, p: patch_country(s, o, T - 1),
+                 "patch the country's position, pos, not the last one"),
+                (lambda s, o, p: patch_country(s, o, p - 1), "the position is off by one: "
+                                                             "the country is at pos"),
+                (lambda s, o, p: patch_country(s, o, min(p + 1, T - 1)),
+                 "the position is off by one: the country is at pos")]
+    want = call(patch_country)
+    return Case(call, want, f"the patched logits {shape(want)}", tensor_compare(1e-4), mistakes)
+
+
+@exercise(14, head_logit_attribution)
+def _(model) -> Case:
+    trace, c = trace_of(model), model.config
+    a, b = answers(model)
+    grid = all_heads(model, trace, a, b)  # [L, H]
+    top = divmod(int(grid.abs().flatten().argmax()), c.n_heads)
+    heads = list(dict.fromkeys([top, (c.n_layers - 1, 0), (0, c.n_heads - 1)]))
+    want = [float(grid[l, h]) for l, h in heads]
+    layers = {l for l, _ in heads}
+    acts = {r.name: r.tensor for r in trace.records if r.tensor is not None and (
+        r.name == "final_norm.mean_sq" or any(r.name.startswith(f"layers.{l}.")
+                                              for l in layers))}
+    names = ["acts", "weights", "config", "layer", "head", "clean", "corrupt"]
+
+    def call(fn):
+        args = (acts, model.weights, c)
+        copies = copy_inputs(args)
+        out = []
+        for l, h in heads:
+            got = fn(*copies, l, h, a, b)
+            if got is None:
+                raise Stub if is_stub(fn) else ReturnedNone
+            out.append(float(got.item() if isinstance(got, torch.Tensor) else got))
+        for name, before, after in zip(names, args, copies):
+            if (hit := edited(before, after, name)):
+                raise Edited(f"your function changed its input `{hit}` in place: work on a "
+                             f"copy (`.clone()`)")
+        return out
+
+    scale = max(abs(x) for x in want)
+
+    def compare(got, want):
+        for (l, h), g, w in zip(heads, got, want):
+            if abs(g - w) > 1e-4 * scale:
+                return f"head {h} of layer {l}: wanted {w:.4g}, got {g:.4g}"
+        return None
+    return Case(call, want, f"{len(heads)} heads' direct terms",
+                with_rtol(compare, 1e-4), [
+                    (_dla_variant("own_rms"), "freeze the final norm's divisor as it was in the "
+                                              "run, sqrt(final_norm.mean_sq + eps), not the RMS "
+                                              "of the head's output alone"),
+                    (_dla_variant("no_gain"), "the final norm's gain (its weight) is missing "
+                                              "from the direction"),
+                    (_dla_variant("first"), "the answer is read at the LAST position: "
+                                            "z = weighted_sum[0, head, -1]"),
+                    (lambda *a: -head_logit_attribution(*a),
+                     "the sign is flipped: m = logit(clean) - logit(corrupt)")])
