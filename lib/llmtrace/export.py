@@ -15,6 +15,9 @@ What the page loads, made once from the embedded model and kept in `$LLMTRACE_CA
 - `model-fp32.onnx` and its chunks, the fp32 graph as exported (540 MB), kept beside it;
 - `lens.onnx` (and `lens-fp32.onnx`): the logit lens, `lens.lens_grid` exported, which reads
   its two weights from the main graph's data file, so it runs on the same chunks;
+- `decode.onnx` (and `decode-fp32.onnx`): one decode step, `Model.forward` of one token reading
+  the layers' `KVCache` (inputs `past.{layer}.{k,v}`, the cache after the step among its
+  outputs), its weights references into the main graph's data file too;
 - `tokenizer.json` (the model's own) and `tokenizer_config.json` (BOS, EOS, whether BOS is added);
 - `web.json` (and `web-fp32.json`), the page's manifest, written last: files, sizes, hashes, the
   records, the config, and how far onnxruntime's logits were from the trace's when it was made.
@@ -204,8 +207,8 @@ def export_onnx(model: Model, path: Path) -> list[dict]:
             # keeps what GraphTrace recorded; the ONNX exporter then translates that program
             exported = torch.export.export(graph, (example,), dynamic_shapes={"ids": {1: T}},
                                            strict=False)
-            program = torch.onnx.export(exported, dynamo=True, verbose=False, optimize=True,
-                                        input_names=[INPUT], output_names=names)
+            program = torch.onnx.export(exported, dynamo=True, verbose=False, optimize=False,
+                                        input_names=[INPUT])
     except Exception as e:  # torch.export and the ONNX translation raise many kinds
         raise LlmTraceError(f"{model.name} cannot be exported to ONNX ({type(e).__name__}: "
                             f"{first_line(e)[:160]}): the page runs only what exports") from None
@@ -215,6 +218,7 @@ def export_onnx(model: Model, path: Path) -> list[dict]:
     if [r["name"] for r in records] != names:
         raise LlmTraceError(f"{model.name}: the exported pass recorded {len(records)} records, "
                             f"an ordinary pass {len(names)}: the export did not run the trace")
+    _optimize(program.model, names)
     outputs = program.model.graph.outputs
     _check_outputs(model, outputs, names)
     types = {"float32": ir.DataType.FLOAT, "int64": ir.DataType.INT64}
@@ -237,14 +241,30 @@ def past_names(c) -> list[str]:
     return [PAST.format(layer=i, kv=kv) for i in range(c.n_layers) for kv in "kv"]
 
 
-def export_decode(model: Model, path: Path) -> None:
-    """Export one decode step (`_Decode`) to `path`, its data in path + ".data" (made into
-    references to the main graph's data by `share_data`). The past's length P is free. The
-    exporter's rewrite rules are left out (they take minutes on this graph and change nothing
-    the page runs faster): constants are folded, unused nodes removed, as the main graph's are."""
+def _optimize(onnx_model, names: list[str]) -> None:
+    """The exporter's optimizer without its rewrite rules (they take a minute on these graphs,
+    and onnxruntime makes its own rewrites when it loads one): constants folded (a weight's
+    transpose among them), unused nodes removed; then each output a value of its own (every
+    layer's causal_mask is one tensor) under its record's name, and the input named `ids`."""
     from onnx_ir.passes import common as passes
     from onnxscript.optimizer import _constant_folding
 
+    for p in [passes.InlinePass(), _constant_folding.FoldConstantsPass(
+            shape_inference=True, input_size_limit=8192, output_size_limit=262144),
+            passes.RemoveUnusedNodesPass(),
+            passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+            passes.DeduplicateInitializersPass(), passes.CommonSubexpressionEliminationPass(),
+            passes.OutputFixPass(), passes.NameFixPass()]:
+        p(onnx_model)
+    g = onnx_model.graph
+    for value, name in zip(g.outputs, names):
+        value.name = name
+    g.inputs[0].name = INPUT  # OutputFixPass renamed it, an output (`tokens`) being the input
+
+
+def export_decode(model: Model, path: Path) -> None:
+    """Export one decode step (`_Decode`) to `path`, its data in path + ".data" (made into
+    references to the main graph's data by `share_data`). The past's length P is free."""
     c = model.config
     graph = _Decode(model).eval()
     past = tuple(torch.zeros(1, 5, c.n_kv_heads, c.head_dim)  # [1, P, KV, hd]; values unused
@@ -263,19 +283,9 @@ def export_decode(model: Model, path: Path) -> None:
         raise LlmTraceError(f"{model.name}: the decode step cannot be exported to ONNX "
                             f"({type(e).__name__}: {first_line(e)[:160]})") from None
     g = program.model.graph
-    if g.inputs[0].shape is None or g.inputs[1].shape[1] == 5:
+    if g.inputs[1].shape is None or g.inputs[1].shape[1] == 5:
         raise LlmTraceError(f"{model.name}: the decode graph fixed the past's length")
-    ir_passes = [passes.InlinePass(), _constant_folding.FoldConstantsPass(
-        shape_inference=True, input_size_limit=8192, output_size_limit=262144),
-        passes.RemoveUnusedNodesPass(),
-        passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
-        passes.DeduplicateInitializersPass(), passes.CommonSubexpressionEliminationPass(),
-        passes.OutputFixPass(), passes.NameFixPass()]
-    for p in ir_passes:  # OutputFixPass: one value per output (every causal_mask is one tensor)
-        p(program.model)
-    for value, name in zip(g.outputs, names):  # named once each is a value of its own
-        value.name = name
-    g.inputs[0].name = INPUT  # OutputFixPass renamed it, an output (`tokens`) being the input
+    _optimize(program.model, names)
     _check_outputs(model, g.outputs, names)
     _relative_sources(g)
     program.save(str(path), external_data=True)
@@ -494,9 +504,9 @@ def session_options(threads: int = 1):
 
 def session(d: Path, threads: int = 1, web: dict | str = MANIFEST, graph: str = ""):
     """An onnxruntime session on an exported graph (web.json's form, or another manifest's;
-    `graph="lens"` for its lens, `"decode"` for its decode step), its external data read as the page reads it: every chunk
-    checked (`verify`, unless the manifest's content is given), joined in memory, handed over
-    under its one file name."""
+    `graph="lens"` for its lens, `"decode"` for its decode step), its external data read as
+    the page reads it: every chunk checked (`verify`, unless the manifest's content is given),
+    joined in memory, handed over under its one file name."""
     import onnxruntime as ort
 
     web = verify(d, web) if isinstance(web, str) else web

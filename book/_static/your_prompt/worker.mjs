@@ -20,7 +20,9 @@ const FORM = new URL(import.meta.url).searchParams.get("weights");
 // returns and the page keeps to show): past it a prompt is refused, before anything runs. A
 // trace takes about twice its size while it is copied out of WebAssembly. Measured in headless
 // Chromium: with the 4-bit blocks the tab holds 0.6 GB once loaded, and 1.6 GB after a trace at
-// this limit (200 tokens), within 2 GB; with the fp32 weights it holds 1.6 GB once loaded
+// this limit (200 tokens), within 2 GB; with the fp32 weights it holds 1.6 GB once loaded, and
+// its peak reaches 2.5 GB: each session (the pass, the decode step, the lens) holds its own copy
+// of the weights it reads
 const TRACE_LIMIT = 512 * 2 ** 20;
 
 let manifest = null, tokenizer = null, session = null, info = null;
