@@ -153,15 +153,274 @@ def say(text: str) -> None:
     display(Markdown(text))
 
 
-def show_source(*objects) -> None:
+def show_source(*objects, config=None) -> None:
     """The library's own source of each function, read from its file when the cell runs, so the
-    page shows the very code that produced the tensors beside it (and cannot drift from it)."""
+    page shows the very code that produced the tensors beside it (and cannot drift from it).
+    It follows the model that runs (`config`, default the one `start_chapter` loaded): the
+    lines only another family runs give way to one comment line (`abridge`)."""
     root = Path(llmtrace.__file__).resolve().parent
+    config = config or _RUNNING[0]
     for obj in objects:
         obj = inspect.unwrap(obj)  # past decorators such as torch.inference_mode
         where = Path(inspect.getsourcefile(obj)).resolve().relative_to(root)
-        code = inspect.getsource(obj)
-        say(f"From `llmtrace/{where}`:\n\n```python\n{code}```")
+        code, gone = inspect.getsource(obj), 0
+        if config is not None:
+            code, gone = abridge(code, config, obj.__name__)
+        note = (f", abridged ({gone} line{'s' * (gone != 1)} of other families left out)"
+                if gone else "")
+        say(f"From `llmtrace/{where}`{note}:\n\n```python\n{code}```")
+
+
+# --- the Llama path of a listing -----------------------------------------------------------------
+
+_RUNNING: list = [None]  # the config of the model `start_chapter` loaded: its listings follow it
+
+# How library code reads a switch other than as `config.<switch>`: the config field it stands
+# for, and the value it holds in a run that leaves that field at its default (Llama 2's)
+_SWITCH_ATTRS = {"pos.base": ("layer_types", 0.0), "pos.local": ("layer_types", None),
+                 "pos.window": ("sliding_window", None)}
+_SWITCH_NAMES = {  # per function: its parameters and locals that carry a switch
+    "rms_norm": {"offset": ("norm_offset", False)},
+    "embed": {"scale": ("embed_scale", False)},
+    "attend": {"scale": ("attn_scale", 0.0), "window": ("sliding_window", None)},
+    "swiglu": {"act": ("mlp_act", "silu")},
+    "block": {"off": ("norm_offset", False)},
+}
+# the words by which a comment says that its line is another family's, and that family
+FAMILY_WORDS = {"Qwen": "qwen", "Gemma": "gemma", "GeGLU": "gemma", "Mistral": "mistral"}
+
+
+def _switch_read(node, config, fn: str):
+    """(field, value in a run without it, off) when `node` reads a switch, else None; off:
+    the running config leaves that field at its default."""
+    import ast
+    import dataclasses
+
+    key = None
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        dotted = f"{node.value.id}.{node.attr}"
+        if node.value.id in ("config", "c") and node.attr in SWITCHES:
+            defaults = {f.name: f.default for f in dataclasses.fields(config)}
+            key = (node.attr, defaults[node.attr])
+        key = key or _SWITCH_ATTRS.get(dotted)
+    elif isinstance(node, ast.Name):
+        key = _SWITCH_NAMES.get(fn, {}).get(node.id)
+    if key is None:
+        return None
+    field, value = key
+    default = {f.name: f.default for f in dataclasses.fields(config)}[field]
+    return field, value, getattr(config, field) == default
+
+
+def _decide(test, config, fn: str):
+    """The value of `test` in the running model when every switch it reads is off there;
+    None when it reads no switch, reads one the model sets, or needs more than switches."""
+    import ast
+
+    reads = [n for n in ast.walk(test) if _switch_read(n, config, fn)]
+    if not reads or not all(_switch_read(n, config, fn)[2] for n in reads):
+        return None
+
+    class Fill(ast.NodeTransformer):
+        def visit_Attribute(self, node):
+            read = _switch_read(node, config, fn)
+            return ast.Constant(read[1]) if read else self.generic_visit(node)
+
+        def visit_Name(self, node):
+            read = _switch_read(node, config, fn)
+            return ast.Constant(read[1]) if read else node
+
+    expr = ast.fix_missing_locations(ast.Expression(Fill().visit(test)))
+    try:
+        return bool(eval(compile(expr, "<switch>", "eval"), {"__builtins__": {}}, {}))
+    except Exception:  # the test reads more than switches: not ours to decide
+        return None
+
+
+def _abridge_doc(text: str, dropped: list[str], family: str) -> tuple[str, int]:
+    """A docstring's lines without its sentences about another family than `family` (the
+    running config's): those that name one (FAMILY_WORDS) or begin with a parameter left
+    out (`dropped`); a sentence is left out only when it begins and ends on one line.
+    Returns (text, lines left out)."""
+    import re
+
+    quote = '"""'
+    lines = text.splitlines()
+    if quote not in lines[0]:
+        return text, 0
+    head = lines[0][:lines[0].index(quote) + 3]
+    lines[0] = lines[0][len(head):]
+    tail = lines[-1].endswith(quote)
+    if tail:
+        lines[-1] = lines[-1][:-3]
+    words = [w for w, f in FAMILY_WORDS.items() if not family.startswith(f)]
+    marks = words + [f"^{re.escape(d)}\\b" for d in dropped]
+    if not marks:
+        return text, 0
+    other = re.compile("|".join(marks))
+    kept, starting = [], True
+    for line in lines:
+        pad = line[:len(line) - len(line.lstrip())]
+        pieces = re.split(r"(?<=[.;])\s+(?=\S)", line.strip())
+        out = []
+        for k, piece in enumerate(pieces):
+            whole = (starting or k > 0) and piece.endswith((".", ";"))
+            if not (whole and other.search(piece)):
+                out.append(piece)
+            starting = piece.endswith((".", ";"))
+        if out or not line.strip():
+            kept.append(pad + " ".join(out))
+    if not kept or not kept[0].strip():
+        return text, 0  # a docstring all about other families stays whole
+    kept[0] = head + kept[0]
+    if kept[-1].endswith(";"):  # its last sentence went: the one before ends it
+        kept[-1] = kept[-1][:-1] + "."
+    if tail:
+        kept[-1] += quote
+    return "".join(line + "\n" for line in kept), len(lines) - len(kept)
+
+
+def abridge(code: str, config, fn: str) -> tuple[str, int]:
+    """The Llama path of a function's source `code` in a run of `config`: an `if` on a switch
+    the config leaves off gives way to one comment line (its `else` body stays); `a if
+    <switch> else b` becomes its running side; a switch passed as the last arguments or taken
+    as the last parameters goes, as do the family comments above those lines. Everything else
+    is the library's own text. Returns (code, lines of other families left out)."""
+    import ast
+    import textwrap
+
+    indent = code[:len(code) - len(code.lstrip())]
+    code = textwrap.dedent(code)
+    lines = code.splitlines(keepends=True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+
+    def at(line, col):  # 1-based line, 0-based column -> offset in code
+        return starts[line - 1] + col
+
+    def span(n):
+        return at(n.lineno, n.col_offset), at(n.end_lineno, n.end_col_offset)
+
+    edits = []  # (start, end, replacement, lines left out)
+    taken = []  # [start, end) already edited: nested edits inside them are skipped
+
+    def free(a, b):
+        return all(b <= s or a >= e for s, e in taken)
+
+    def family_comments_above(lineno):  # first line of the family comments just above
+        first = lineno
+        while first > 1 and lines[first - 2].strip().startswith("#") and any(
+                w in lines[first - 2] for w in FAMILY_WORDS):
+            first -= 1
+        return first
+
+    def block_text(stmts, shift):  # the lines of `stmts`, dedented by `shift`
+        text = "".join(lines[stmts[0].lineno - 1:stmts[-1].end_lineno])
+        return "".join(line[shift:] if line[:shift].isspace() else line
+                       for line in text.splitlines(keepends=True))
+
+    tree = ast.parse(code)
+    nodes = sorted(ast.walk(tree), key=lambda n: (getattr(n, "lineno", 0),
+                                                 getattr(n, "col_offset", 0)))
+    for node in nodes:
+        if isinstance(node, ast.If) and not (node.orelse and isinstance(node.orelse[0], ast.If)
+                                             and len(node.orelse) == 1):
+            value = _decide(node.test, config, fn)
+            if value is None:
+                continue
+            first = family_comments_above(node.lineno)
+            a, b = at(first, 0), starts[node.end_lineno]
+            if not free(a, b):
+                continue
+            pad = " " * node.col_offset
+            kept, gone = (node.body, node.orelse) if value else (node.orelse, node.body)
+            shift = kept[0].col_offset - node.col_offset if kept else 0
+            text = block_text(kept, shift) if kept else ""
+            n_gone = node.end_lineno - first + 1 - (text.count("\n"))
+            note = (f"{pad}# ... {n_gone} line{'s' * (n_gone != 1)} other families run "
+                    f"here: chapter 16\n")
+            edits.append((a, b, note + text if not value else text + note, n_gone))
+            taken.append((a, b))
+        elif isinstance(node, ast.IfExp):
+            value = _decide(node.test, config, fn)
+            a, b = span(node)
+            if value is None or not free(a, b):
+                continue
+            side = node.body if value else node.orelse
+            edits.append((a, b, ast.get_source_segment(code, side, padded=False), 0))
+            taken.append((a, b))
+            first = family_comments_above(node.lineno)
+            if first < node.lineno:
+                edits.append((at(first, 0), at(node.lineno, 0), "", node.lineno - first))
+        elif isinstance(node, ast.Call) and not node.keywords:
+            args = list(node.args)
+            while len(args) > 1 and (read := _switch_read(args[-1], config, fn)) and read[2]:
+                gone = args.pop()
+                a, b = span(args[-1])[1], span(gone)[1]
+                if free(a, b):
+                    edits.append((a, b, "", 0))  # the line stays, shorter
+                    taken.append((a, b))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not (
+                node.args.kwonlyargs or node.args.vararg or node.args.kwarg):
+            params, defaults = list(node.args.args), list(node.args.defaults)
+            first_default = len(params) - len(defaults)
+            dropped = []  # the switches' parameters left out
+
+            def end_of(i):  # where parameter i ends, its default included
+                return span(defaults[i - first_default] if i >= first_default
+                            else params[i])[1]
+
+            while len(params) > 1 and len(params) > first_default and (
+                    read := _switch_read(ast.Name(params[-1].arg), config, fn)) and read[2]:
+                a, b = end_of(len(params) - 2), end_of(len(params) - 1)
+                if free(a, b):
+                    edits.append((a, b, "", 0))
+                    taken.append((a, b))
+                dropped.append(params.pop().arg)
+            doc = node.body[0]
+            if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and \
+                    isinstance(doc.value.value, str):
+                a, b = at(doc.lineno, 0), starts[doc.end_lineno]
+                text, n_gone = _abridge_doc(code[a:b], dropped, config.family)
+                if text != code[a:b] and free(a, b):
+                    edits.append((a, b, text, n_gone))
+                    taken.append((a, b))
+        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple) and \
+                isinstance(node.value, ast.Tuple) and len(node.targets) == 1:
+            names, values = node.targets[0].elts, node.value.elts
+            if len(names) == len(values) == 2:
+                for i in (1, 0):
+                    read = _switch_read(values[i], config, fn)
+                    if read and read[2] and isinstance(names[i], ast.Name) and \
+                            names[i].id in _SWITCH_NAMES.get(fn, {}):
+                        for pair in ((names, i), (values, i)):
+                            elts, k = pair
+                            a, b = ((span(elts[0])[1], span(elts[1])[1]) if k == 1
+                                    else (span(elts[0])[0], span(elts[1])[0]))
+                            edits.append((a, b, "", 0))
+                        taken.append(span(node))
+                        break
+        elif isinstance(node, ast.JoinedStr):
+            a, b = span(node)
+            text = code[a:b]
+            new = text
+            for part in node.values:
+                if isinstance(part, ast.FormattedValue) and part.conversion == -1 and \
+                        part.format_spec is None and isinstance(part.value, ast.Name):
+                    read = _switch_read(part.value, config, fn)
+                    if read and read[2]:
+                        new = new.replace("{" + part.value.id + "}", str(read[1]))
+            if new != text and not any(isinstance(p, ast.FormattedValue) and
+                                       "{" + ast.unparse(p.value) + "}" in new
+                                       for p in node.values):
+                new = new[1:] if new[:1] in "fF" else new  # no placeholder is left
+            if new != text and free(a, b):
+                edits.append((a, b, new, 0))
+                taken.append((a, b))
+    for a, b, new, _ in sorted(edits, reverse=True):
+        code = code[:a] + new + code[b:]
+    return textwrap.indent(code, indent), sum(e[3] for e in edits)
 
 
 def tinyllama_card_html(stage: str | list[str], tiny: Trace, decode: Trace | None = None,
@@ -182,7 +441,7 @@ def tinyllama_card_html(stage: str | list[str], tiny: Trace, decode: Trace | Non
     shape = describe_config(c).split(": ", 1)[1]  # "22 layers, hidden 2048, ..."
     where = (f" Layer 0 shown: its {c.n_layers} layers have the same shapes."
              if any(r.name.startswith("layers.") for r in recs) else "")
-    ops = "operation" if len(recs) == 1 else "operations"
+    ops = f"operation{'s' * (len(recs) != 1)}{' in the prefill' * (decode_stage is not None)}"
     mine = ""
     if running is not None:
         t_run = running.encode(PROMPT).shape[1]
@@ -342,6 +601,7 @@ def start_chapter(stage: str | list[str] | None = None, name: str | None = None,
 
     use_book_style()
     model = load_model(resolve(name))
+    _RUNNING[0] = model.config  # the listings on the page follow it (`show_source`)
     say(banner_text(model))
     prefill, decode = tinyllama_walk()
     if stage is not None and not runs(model, TINYLLAMA):

@@ -129,6 +129,63 @@ def test_the_lens_reads_the_main_graphs_bytes(web_dir, form):
         assert not init.raw_data and where["location"] == web["external_data"]
 
 
+@pytest.fixture(scope="module")
+def decode_sessions(web_dir):
+    return {form: export.session(web_dir, web=form, graph="decode") for form in FORMS}
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_decode_graph_is_generate(embedded, web_dir, sessions, decode_sessions, form, prompt):
+    """onnxruntime runs the decode graph step by step, as the page does (the main graph's
+    kv_cache records are the first past, each step's kv_cache the next one's): the tokens are
+    `generate`'s greedy ones, each step's logits within 1e-4 of generate's (measured: at most
+    4.4e-5), and the cache the step returns is the library's cache after that step."""
+    from llmtrace import generate
+
+    web = export.verify(web_dir, form)
+    step = web["decode"]
+    assert step["past_shape"] == [1, "P", embedded.config.n_kv_heads, embedded.config.head_dim]
+    ids = embedded.encode(prompt)  # [1, T]
+    n = 12
+    g = generate(embedded, ids, max_new_tokens=n, stop_at_eos=False, trace=True)
+    new, chosen_from = export.onnx_greedy(web, sessions[form], decode_sessions[form],
+                                          ids.numpy(), n)
+    assert new == g.new_ids
+    for got, want in zip(chosen_from, g.step_logits):
+        assert np.abs(got - want.numpy()).max() <= 1e-4
+    # the last step's cache out equals the library's cache as generate's last step read it
+    past = {f"past.{i}.{kv}": g.steps[-2][f"layers.{i}.attn.kv_cache.{kv}"].numpy()
+            for i in range(embedded.config.n_layers) for kv in "kv"}
+    out = decode_sessions[form].run(["layers.29.attn.kv_cache.v"],
+                                    {"ids": np.array([[g.ids[-2]]]), **past})
+    want = g.steps[-1]["layers.29.attn.kv_cache.v"].numpy()  # [1, T + n - 1, KV, hd]
+    assert out[0].shape == want.shape == (1, ids.shape[1] + n - 1, 3, 64)
+    assert relative_error(want, out[0]) <= RTOL
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_decode_graph_reads_the_main_graphs_bytes(web_dir, form):
+    """The decode graph holds no weight of its own: each large initializer is a reference into
+    the main graph's data file, at the offsets of the main graph's tensor with the same bytes."""
+    import onnx
+
+    web = export.verify(web_dir, form)
+    def where(init) -> tuple:
+        return tuple((e.key, e.value) for e in init.external_data) + tuple(init.dims)
+
+    main = {where(i) for i in onnx.load(str(web_dir / web["graph"]["file"]),
+                                        load_external_data=False).graph.initializer}
+    step = onnx.load(str(web_dir / web["decode"]["graph"]["file"]), load_external_data=False)
+    assert web["decode"]["graph"]["size"] < 3e6  # nodes and their source lines
+    shared = [i for i in step.graph.initializer if i.external_data]
+    assert sum(len(i.raw_data) for i in step.graph.initializer) < 1e4  # shapes, RoPE freq
+    assert len(shared) >= 7 * 30  # every layer's seven matrices at least
+    for init in shared:
+        assert where(init) in main
+        assert {e.key: e.value for e in init.external_data}["location"] == web["external_data"]
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_manifest(embedded, web_dir, form):
     """Each manifest says what the page needs: the model's config, the graph, every chunk (at
@@ -243,7 +300,8 @@ def test_command_reuses_the_cache_and_places_the_files(web_dir, web, tmp_path):
     for form in FORMS:
         w = export.verify(out, form)
         listed |= {w["graph"]["file"], *(c["file"] for c in w["chunks"]), w["tokenizer"]["file"],
-                   w["tokenizer_config"]["file"], w["lens"]["graph"]["file"], form}
+                   w["tokenizer_config"]["file"], w["lens"]["graph"]["file"],
+                   w["decode"]["graph"]["file"], form}
     assert {f.name for f in out.iterdir()} == listed
     assert (out / "web.json").read_text() == (web_dir / "web.json").read_text()
     (tmp_path / "mine").mkdir()

@@ -15,6 +15,9 @@ What the page loads, made once from the embedded model and kept in `$LLMTRACE_CA
 - `model-fp32.onnx` and its chunks, the fp32 graph as exported (540 MB), kept beside it;
 - `lens.onnx` (and `lens-fp32.onnx`): the logit lens, `lens.lens_grid` exported, which reads
   its two weights from the main graph's data file, so it runs on the same chunks;
+- `decode.onnx` (and `decode-fp32.onnx`): one decode step, `Model.forward` of one token reading
+  the layers' `KVCache` (inputs `past.{layer}.{k,v}`, the cache after the step among its
+  outputs), its weights references into the main graph's data file too;
 - `tokenizer.json` (the model's own) and `tokenizer_config.json` (BOS, EOS, whether BOS is added);
 - `web.json` (and `web-fp32.json`), the page's manifest, written last: files, sizes, hashes, the
   records, the config, and how far onnxruntime's logits were from the trace's when it was made.
@@ -67,12 +70,13 @@ class GraphTrace(Trace):
     (`Trace.record` counts MACs with `int(macs)`, which would fix T to the example's length), so
     no MACs are counted here, and an op that names the length says "T"."""
 
-    def __init__(self, length):
+    def __init__(self, length, letter: str = "T"):
         super().__init__(keep_values=True, label="export")
         self._length = re.compile(rf"\b{re.escape(str(length))}\b")  # "s27", the symbol of T
+        self._letter = letter
 
     def record(self, name: str, op: str, tensor: torch.Tensor, macs=0) -> torch.Tensor:
-        rec = Record(name, self._length.sub("T", op), tuple(tensor.shape),
+        rec = Record(name, self._length.sub(self._letter, op), tuple(tensor.shape),
                      _dtype_name(tensor.dtype), 0, tensor)
         self.records.append(rec)
         self._index[name] = rec
@@ -96,6 +100,31 @@ class _Graph(torch.nn.Module):
         model.forward(ids, trace)
         # a new attribute: torch.export puts back the ones the module had before it ran
         self.records = trace.records
+        return tuple(r.tensor for r in trace.records)
+
+
+class _Decode(torch.nn.Module):
+    """One decode step as a module: `Model.forward` of one new token at position P, reading the
+    layers' `KVCache`s, which hold the P positions before it (`past.{i}.k`, `past.{i}.v`,
+    [1, P, KV, hd] each: the prefill's records `layers.{i}.attn.kv_cache.k` / `.v`, or the last
+    step's), and returning every record; among them `layers.{i}.attn.kv_cache.k` / `.v`, the
+    cache after this step's write [1, P + 1, KV, hd], the next step's past."""
+
+    def __init__(self, model: Model):
+        super().__init__()
+        self.config = model.config
+        _buffers(self, state_dict_from_weights(model.config, model.weights))
+
+    def forward(self, ids: torch.Tensor, past: tuple[torch.Tensor, ...]) -> tuple:
+        c = self.config
+        model = Model(c, weights_from_state_dict(c, dict(self.named_buffers()), "export"))
+        P = past[0].shape[1]
+        cache = model.new_cache(P + 1)  # the past, then this step's position
+        for i, layer in enumerate(cache):
+            layer.update(0, past[2 * i], past[2 * i + 1])
+        trace = GraphTrace(P, letter="P")
+        model.forward(ids, trace, cache, start=P)  # [1, 1, V]
+        self.records = trace.records  # as in _Graph
         return tuple(r.tensor for r in trace.records)
 
 
@@ -178,8 +207,8 @@ def export_onnx(model: Model, path: Path) -> list[dict]:
             # keeps what GraphTrace recorded; the ONNX exporter then translates that program
             exported = torch.export.export(graph, (example,), dynamic_shapes={"ids": {1: T}},
                                            strict=False)
-            program = torch.onnx.export(exported, dynamo=True, verbose=False, optimize=True,
-                                        input_names=[INPUT], output_names=names)
+            program = torch.onnx.export(exported, dynamo=True, verbose=False, optimize=False,
+                                        input_names=[INPUT])
     except Exception as e:  # torch.export and the ONNX translation raise many kinds
         raise LlmTraceError(f"{model.name} cannot be exported to ONNX ({type(e).__name__}: "
                             f"{first_line(e)[:160]}): the page runs only what exports") from None
@@ -189,6 +218,7 @@ def export_onnx(model: Model, path: Path) -> list[dict]:
     if [r["name"] for r in records] != names:
         raise LlmTraceError(f"{model.name}: the exported pass recorded {len(records)} records, "
                             f"an ordinary pass {len(names)}: the export did not run the trace")
+    _optimize(program.model, names)
     outputs = program.model.graph.outputs
     _check_outputs(model, outputs, names)
     types = {"float32": ir.DataType.FLOAT, "int64": ir.DataType.INT64}
@@ -200,6 +230,106 @@ def export_onnx(model: Model, path: Path) -> list[dict]:
         raise LlmTraceError(f"the exporter wrote no {path.name}.data beside {path}: its onnx "
                             f"version differs from the pinned one; reinstall the requirements")
     return records
+
+
+DECODE_GRAPH, FP32_DECODE_GRAPH = "decode.onnx", "decode-fp32.onnx"
+PAST, PRESENT = "past.{layer}.{kv}", "layers.{layer}.attn.kv_cache.{kv}"
+
+
+def past_names(c) -> list[str]:
+    """The decode graph's cache inputs, layer by layer, K before V."""
+    return [PAST.format(layer=i, kv=kv) for i in range(c.n_layers) for kv in "kv"]
+
+
+def _optimize(onnx_model, names: list[str]) -> None:
+    """The exporter's optimizer without its rewrite rules (they take a minute on these graphs,
+    and onnxruntime makes its own rewrites when it loads one): constants folded (a weight's
+    transpose among them), unused nodes removed; then each output a value of its own (every
+    layer's causal_mask is one tensor) under its record's name, and the input named `ids`."""
+    from onnx_ir.passes import common as passes
+    from onnxscript.optimizer import _constant_folding
+
+    for p in [passes.InlinePass(), _constant_folding.FoldConstantsPass(
+            shape_inference=True, input_size_limit=8192, output_size_limit=262144),
+            passes.RemoveUnusedNodesPass(),
+            passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+            passes.DeduplicateInitializersPass(), passes.CommonSubexpressionEliminationPass(),
+            passes.OutputFixPass(), passes.NameFixPass()]:
+        p(onnx_model)
+    g = onnx_model.graph
+    for value, name in zip(g.outputs, names):
+        value.name = name
+    g.inputs[0].name = INPUT  # OutputFixPass renamed it, an output (`tokens`) being the input
+
+
+def export_decode(model: Model, path: Path) -> None:
+    """Export one decode step (`_Decode`) to `path`, its data in path + ".data" (made into
+    references to the main graph's data by `share_data`). The past's length P is free."""
+    c = model.config
+    graph = _Decode(model).eval()
+    past = tuple(torch.zeros(1, 5, c.n_kv_heads, c.head_dim)  # [1, P, KV, hd]; values unused
+                 for _ in range(2 * c.n_layers))
+    example = torch.tensor([[c.bos_id]])  # [1, 1]
+    P = torch.export.Dim.AUTO  # a Dim with bounds fails on a guard sympy cannot prove
+    try:
+        with _quiet():
+            exported = torch.export.export(
+                graph, (example, past), strict=False,
+                dynamic_shapes={"ids": None, "past": tuple({1: P} for _ in past)})
+            names = [r.name for r in graph.records]
+            program = torch.onnx.export(exported, dynamo=True, verbose=False, optimize=False,
+                                        input_names=[INPUT, *past_names(c)])
+    except Exception as e:  # as in export_onnx
+        raise LlmTraceError(f"{model.name}: the decode step cannot be exported to ONNX "
+                            f"({type(e).__name__}: {first_line(e)[:160]})") from None
+    g = program.model.graph
+    if g.inputs[1].shape is None or g.inputs[1].shape[1] == 5:
+        raise LlmTraceError(f"{model.name}: the decode graph fixed the past's length")
+    _optimize(program.model, names)
+    _check_outputs(model, g.outputs, names)
+    _relative_sources(g)
+    program.save(str(path), external_data=True)
+
+
+def share_data(graph: Path, main: Path) -> None:
+    """`graph`'s initializers made references into `main`'s data file, each to the tensor that
+    holds the same bytes (the decode graph's weights are the main graph's, under names the
+    exporter chose), and `graph`'s own data file removed: the page hands every session the same
+    joined chunks. A large tensor the main graph lacks is refused."""
+    import onnx
+    from onnx import numpy_helper
+
+    def key(init, raw: bytes):
+        return init.data_type, tuple(init.dims), hashlib.sha256(raw).digest()
+
+    held = {}
+    main_proto = onnx.load(str(main), load_external_data=False)
+    with open(main.with_name(main.name + ".data"), "rb") as f:
+        for init in main_proto.graph.initializer:
+            where = {e.key: e.value for e in init.external_data}
+            if "location" in where:
+                f.seek(int(where.get("offset", 0)))
+                held[key(init, f.read(int(where["length"])))] = init
+    proto = onnx.load(str(graph), load_external_data=True)
+    for init in proto.graph.initializer:
+        raw = numpy_helper.to_array(init).tobytes()
+        same = held.get(key(init, raw))
+        if same is not None:
+            name = init.name
+            init.CopyFrom(same)
+            init.name = name
+        elif len(raw) > 2**16:
+            raise LlmTraceError(f"{graph.name}: its weight {init.name} {list(init.dims)} is "
+                                f"not among {main.name}'s: the two graphs' weights differ")
+    onnx.save(proto, str(graph))
+    graph.with_name(graph.name + ".data").unlink()
+
+
+def decode_entry(model: Model, d: Path, graph: str) -> dict:
+    """The decode graph's entry in a manifest."""
+    c = model.config
+    return {"graph": _entry(d / graph), "input": INPUT, "past": PAST, "present": PRESENT,
+            "past_shape": [1, "P", c.n_kv_heads, c.head_dim], "logits": LOGITS}
 
 
 LENS_INPUT, LENS_OUTPUTS = "resid", ["lens.top_ids", "lens.top_probs"]
@@ -374,9 +504,9 @@ def session_options(threads: int = 1):
 
 def session(d: Path, threads: int = 1, web: dict | str = MANIFEST, graph: str = ""):
     """An onnxruntime session on an exported graph (web.json's form, or another manifest's;
-    `graph="lens"` for its lens), its external data read as the page reads it: every chunk
-    checked (`verify`, unless the manifest's content is given), joined in memory, handed over
-    under its one file name."""
+    `graph="lens"` for its lens, `"decode"` for its decode step), its external data read as
+    the page reads it: every chunk checked (`verify`, unless the manifest's content is given),
+    joined in memory, handed over under its one file name."""
     import onnxruntime as ort
 
     web = verify(d, web) if isinstance(web, str) else web
@@ -386,7 +516,7 @@ def session(d: Path, threads: int = 1, web: dict | str = MANIFEST, graph: str = 
     options = session_options(threads)
     options.add_external_initializers_from_files_in_memory([web["external_data"]], [data],
                                                            [len(data)])
-    entry = web["lens"]["graph"] if graph == "lens" else web["graph"]
+    entry = web[graph]["graph"] if graph else web["graph"]
     return ort.InferenceSession((d / entry["file"]).read_bytes(), options,
                                 providers=["CPUExecutionProvider"])
 
@@ -400,6 +530,43 @@ def logit_difference(model: Model, sess, prompts=TOLERANCE_PROMPTS) -> float:
         (got,) = sess.run([LOGITS], {INPUT: ids.numpy()})
         worst = max(worst, float((torch.from_numpy(got) - logits).abs().max()))
     return worst
+
+
+def onnx_greedy(web: dict, main, decode, ids: np.ndarray, steps: int):
+    """Greedy continuation as the page runs it: the main graph over the prompt ids [1, T] (its
+    `kv_cache` records are the past), then the decode graph one token at a time, each step's
+    cache the next one's past. -> (the new ids, the logits [V] each step chose from)."""
+    step = web["decode"]
+    layers = range(web["config"]["n_layers"])
+    present = [step["present"].format(layer=i, kv=kv) for i in layers for kv in "kv"]
+    past = [step["past"].format(layer=i, kv=kv) for i in layers for kv in "kv"]
+    out = main.run([LOGITS, *present], {INPUT: ids})
+    new, chosen_from = [], []
+    for _ in range(steps):
+        chosen_from.append(out[0][0, -1])  # [V]
+        new.append(int(chosen_from[-1].argmax()))
+        if len(new) < steps:
+            out = decode.run([step["logits"], *present],
+                             {step["input"]: np.array([[new[-1]]]), **dict(zip(past, out[1:]))})
+    return new, chosen_from
+
+
+DECODE_STEPS = 8  # greedy steps the decode graph is measured on at export
+
+
+def decode_difference(model: Model, web: dict, main, decode, prompt: str) -> float:
+    """The largest |onnxruntime's logit - generate's| over DECODE_STEPS greedy steps; refused
+    if a token differs."""
+    from .generate import generate
+
+    ids = model.encode(prompt)  # [1, T]
+    g = generate(model, ids, max_new_tokens=DECODE_STEPS, stop_at_eos=False, trace=False)
+    new, chosen_from = onnx_greedy(web, main, decode, ids.numpy(), DECODE_STEPS)
+    if new != g.new_ids:
+        raise LlmTraceError(f"{model.name}: the decode graph continues {prompt!r} with {new}, "
+                            f"generate with {g.new_ids}")
+    return max(float(np.abs(got - want.numpy()).max())
+               for got, want in zip(chosen_from, g.step_logits))
 
 
 def config_for_page(model: Model) -> dict:
@@ -427,12 +594,18 @@ def _form(model: Model, d: Path, graph: Path, weights: str, head: dict) -> dict:
     data = graph.with_name(graph.name + ".data")
     web = {**head, "weights": weights, "graph": _entry(graph), "external_data": data.name,
            "chunks": [_entry(c) for c in split(data)]}
-    measured = logit_difference(model, session(d, web=web))
-    if measured > LOGIT_TOLERANCE:
-        raise LlmTraceError(f"{model.name}: the {weights} graph's logits are {measured:.1e} from "
-                            f"the trace's, over the page's {LOGIT_TOLERANCE:g}")
+    main = session(d, web=web)
+    measured = logit_difference(model, main)
+    decoded = decode_difference(model, web, main, session(d, web=web, graph="decode"),
+                                TOLERANCE_PROMPTS[0]) if "decode" in web else None
+    for what, worst in (("logits", measured), ("decode steps' logits", decoded)):
+        if worst is not None and worst > LOGIT_TOLERANCE:
+            raise LlmTraceError(f"{model.name}: the {weights} graph's {what} are {worst:.1e} "
+                                f"from the library's, over the page's {LOGIT_TOLERANCE:g}")
+    measured_decode = {} if decoded is None else {"decode_measured": decoded,
+                                                  "decode_steps": DECODE_STEPS}
     return {**web, "tolerance": {"logits": LOGIT_TOLERANCE, "logits_measured": measured,
-                                 "prompts": list(TOLERANCE_PROMPTS)}}
+                                 **measured_decode, "prompts": list(TOLERANCE_PROMPTS)}}
 
 
 def write_web(model: Model, d: Path, label: str | None = None, blocks: dict | None = None) -> dict:
@@ -447,10 +620,17 @@ def write_web(model: Model, d: Path, label: str | None = None, blocks: dict | No
             "tokenizer": _entry(d / TOKENIZER), "tokenizer_config": _entry(d / TOKENIZER_CONFIG),
             "input": INPUT, "records": records, "logits": LOGITS,
             "config": config_for_page(model), "exported_with": versions()}
+    export_decode(model, d / FP32_DECODE_GRAPH)
     if blocks is not None:  # before the fp32 data is cut into chunks: it reads that file
         quantize_graph(d / FP32_GRAPH, d / GRAPH, blocks, model)
+        quantize_graph(d / FP32_DECODE_GRAPH, d / DECODE_GRAPH, blocks, model)
+        share_data(d / DECODE_GRAPH, d / GRAPH)
+    share_data(d / FP32_DECODE_GRAPH, d / FP32_GRAPH)
     lens = export_lens(model, d, quantized=blocks is not None)
-    with_lens = {g: {**head, "lens": lens[g]} if g in lens else head for g in (GRAPH, FP32_GRAPH)}
+    decode = {GRAPH: decode_entry(model, d, DECODE_GRAPH)} if blocks is not None else {}
+    decode[FP32_GRAPH] = decode_entry(model, d, FP32_DECODE_GRAPH)
+    with_lens = {g: {**head, "decode": decode[g], **({"lens": lens[g]} if g in lens else {})}
+                 for g in decode}
     fp32 = _form(model, d, d / FP32_GRAPH, "fp32", with_lens[FP32_GRAPH])
     web = fp32
     if blocks is not None:
@@ -461,13 +641,18 @@ def write_web(model: Model, d: Path, label: str | None = None, blocks: dict | No
     return web
 
 
+def listed_files(web: dict) -> list[dict]:
+    """Every file a manifest lists: graphs, chunks, the tokenizer's two."""
+    return [web["graph"], *web["chunks"], web["tokenizer"], web["tokenizer_config"],
+            *(web[g]["graph"] for g in ("decode", "lens") if g in web)]
+
+
 def verify(d: Path, manifest: str = MANIFEST) -> dict:
     """web.json (or another manifest), after checking that every file it lists has its size
     and SHA-256 (what the page checks before it runs anything)."""
     try:
         web = json.loads((d / manifest).read_text())
-        files = [web["graph"], *web["chunks"], web["tokenizer"], web["tokenizer_config"],
-                 *([web["lens"]["graph"]] if "lens" in web else [])]
+        files = listed_files(web)
     except (OSError, ValueError, KeyError, TypeError):
         raise LlmTraceError(f"{d / manifest} is missing or unreadable: "
                             f"make it again with python -m llmtrace.export --rebuild") from None
@@ -693,8 +878,7 @@ def place(d: Path, out: Path) -> None:
     names = []
     for manifest in manifests(d):
         web = verify(d, manifest)
-        files = [web["graph"], *web["chunks"], web["tokenizer"], web["tokenizer_config"],
-                 *([web["lens"]["graph"]] if "lens" in web else [])]
+        files = listed_files(web)
         names += [f["file"] for f in files] + [manifest]
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

@@ -20,11 +20,14 @@ const FORM = new URL(import.meta.url).searchParams.get("weights");
 // returns and the page keeps to show): past it a prompt is refused, before anything runs. A
 // trace takes about twice its size while it is copied out of WebAssembly. Measured in headless
 // Chromium: with the 4-bit blocks the tab holds 0.6 GB once loaded, and 1.6 GB after a trace at
-// this limit (200 tokens), within 2 GB; with the fp32 weights it holds 1.6 GB once loaded
+// this limit (200 tokens), within 2 GB; with the fp32 weights it holds 1.6 GB once loaded, and
+// its peak reaches 2.5 GB: each session (the pass, the decode step, the lens) holds its own copy
+// of the weights it reads
 const TRACE_LIMIT = 512 * 2 ** 20;
 
 let manifest = null, tokenizer = null, session = null, info = null;
 let lens_session = null;          // the logit lens's graph, if the export has one
+let decode_session = null;        // one decode step reading the KV cache, if the export has one
 let last_resid = null;            // the last run's layers.N.resid_out, stacked, for the lens
 let last_lens = null;             // and its lens, once computed
 // The lens reads the final norm and the head at every layer and position, which costs as much
@@ -186,6 +189,8 @@ async function load_session(retry) {
     await fetch_checked(manifest.graph, graph, "the graph", retry);
     const lens = manifest.lens ? new Uint8Array(manifest.lens.graph.size) : null;
     if (lens) await fetch_checked(manifest.lens.graph, lens, "the logit lens's graph", retry);
+    const step = manifest.decode ? new Uint8Array(manifest.decode.graph.size) : null;
+    if (step) await fetch_checked(manifest.decode.graph, step, "the decode graph", retry);
     const isolated = self.crossOriginIsolated === true;
     ort.env.wasm.wasmPaths = new URL("../ort/", import.meta.url).href;
     ort.env.wasm.numThreads = isolated ? navigator.hardwareConcurrency : 1;
@@ -195,7 +200,9 @@ async function load_session(retry) {
         : (manifest.external_data && manifest.external_data.file) || "model.onnx.data";
     const main = await create(graph, "the graph", path);
     // the lens's graph has no weights of its own: it reads the same external data
+    // nor has the decode graph: its weights are the same bytes of the same data
     lens_session = lens ? await create(lens, "the logit lens's graph", path) : null;
+    decode_session = step ? await create(step, "the decode graph", path) : null;
     session = main;
     weights = null;  // onnxruntime holds its own copy now
     const meta = session.outputMetadata.filter(o => o.isTensor);
@@ -316,6 +323,40 @@ function last_logits(tensor) {
     return tensor.data.slice(n - V, n);
 }
 
+// The decode graph's cache inputs and outputs, layer by layer, K before V, as web.json names
+// them: past.{layer}.{kv} in, layers.{layer}.attn.kv_cache.{kv} out
+function cache_names(pattern) {
+    const names = [];
+    for (let i = 0; i < manifest.config.n_layers; i++) {
+        for (const kv of ["k", "v"]) names.push(pattern.replace("{layer}", i).replace("{kv}", kv));
+    }
+    return names;
+}
+
+// The prefill's K and V (its kv_cache records) as the first decode step's past
+function prefill_cache(values, records) {
+    const step = manifest.decode, shapes = new Map(records.map(r => [r.name, r.shape]));
+    const past = {}, outs = cache_names(step.present);
+    cache_names(step.past).forEach((name, i) => {
+        past[name] = new ort.Tensor("float32", values[outs[i]], shapes.get(outs[i]));
+    });
+    return past;
+}
+
+// One new token at the next position: -> [its logits, the cache after it (the next past)]
+async function decode_step(id, past) {
+    const step = manifest.decode, outs = cache_names(step.present);
+    const r = await decode_session.run(
+        { ...past, [step.input]: new ort.Tensor("int64", BigInt64Array.of(BigInt(id)), [1, 1]) },
+        [step.logits, ...outs]);
+    for (const tensor of Object.values(past)) tensor.dispose();
+    const logits = last_logits(r[step.logits]);
+    r[step.logits].dispose();
+    const next = {};
+    cache_names(step.past).forEach((name, i) => { next[name] = r[outs[i]]; });
+    return [logits, next];
+}
+
 async function run(prompt, opts) {
     await ensure_loaded();
     const o = check_options(opts, manifest.config);
@@ -339,13 +380,18 @@ async function run(prompt, opts) {
     last_lens = null;
     for (const tensor of Object.values(out)) tensor.dispose();
 
-    // the continuation: the graph again on the growing ids, only the logits fetched
+    // the continuation: each new token through the decode graph, which reads the KV cache
+    // (the prefill's kv_cache records, then each step's); without one, the whole graph again
+    // on the growing ids, only the logits fetched
     t = performance.now();
     const generated = [], rand = mulberry32(o.seed);
     const ends = new Set(manifest.config.eos_ids || []);
     let step_logits = logits;
+    let past = decode_session ? prefill_cache(values, records) : null;
     for (let step = 0; step < o.maxNewTokens; step++) {
-        if (step > 0) {
+        if (step > 0 && past) {
+            [step_logits, past] = await decode_step(generated[generated.length - 1], past);
+        } else if (step > 0) {
             const r = await session.run(feeds([...ids, ...generated]), [manifest.logits]);
             step_logits = last_logits(r[manifest.logits]);
             r[manifest.logits].dispose();
@@ -355,6 +401,7 @@ async function run(prompt, opts) {
         generated.push(next);
         if (ends.has(next)) break;
     }
+    if (past) for (const tensor of Object.values(past)) tensor.dispose();
     const decode_ms = performance.now() - t;
     const top = top_tokens(logits, 10).map(x => ({ ...x, piece: piece(x.id) }));
     return {
