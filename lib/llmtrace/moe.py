@@ -1,0 +1,203 @@
+"""A mixture of experts (MoE): the MLP becomes E expert MLPs, and a router picks k of
+them for each position. The layer's output is the weighted sum of the k chosen experts'
+outputs, so a position pays for k experts while the layer holds E.
+
+Three routers, as HF transformers writes them (`route`):
+- Mixtral: a softmax over all E logits, the top k, their weights renormalized to sum 1.
+- Qwen3-MoE: the same, renormalized only if the config says `norm_topk_prob`.
+- gpt-oss: a router with a bias; the top k logits, then a softmax over those k alone.
+  That is Mixtral's rule in another order: on the same logits, softmax over all E, top k
+  and renormalize give the same weights (tests/test_moe.py checks it).
+
+Each expert is a SwiGLU MLP (mlp.py) with its own three matrices. gpt-oss's experts have
+biases and their own activation, `gpt_oss_glu`.
+
+Which experts a position uses depends on its values, so the experts' output is recorded
+by slot, not by expert: slot j of position t holds the output of the j-th expert it
+chose, [B, T, k, D]. Every record's shape then follows from the config alone, and the
+meta device (shapes, no values) makes the same records without routing anything.
+
+Shapes: B batch, T positions, D hidden, E experts, k chosen per position, F an expert's
+intermediate size.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .errors import LlmTraceError
+from .trace import NO_TRACE
+
+ROUTERS = ("softmax_topk", "topk_softmax")
+ACTS = ("silu", "gpt_oss")
+
+
+@dataclass
+class MoeWeights:
+    """One MoE layer's weights: one stacked tensor per kind, expert e's matrix at [e],
+    each in F.linear's (out, in) orientation, as the dense MLP's gate, up and down."""
+    router: torch.Tensor  # [E, D]
+    gate: torch.Tensor  # [E, F, D]
+    up: torch.Tensor  # [E, F, D]
+    down: torch.Tensor  # [E, D, F]
+    router_bias: torch.Tensor | None = None  # [E]     gpt-oss
+    gate_bias: torch.Tensor | None = None  # [E, F]    gpt-oss
+    up_bias: torch.Tensor | None = None  # [E, F]
+    down_bias: torch.Tensor | None = None  # [E, D]
+
+
+def route(logits, k: int, router: str = "softmax_topk", renormalize: bool = True,
+          trace=NO_TRACE, name: str = "mlp"):
+    """(ids, weights), each [B, T, k]: the k experts each position goes to, and how much
+    each one's output counts. logits: [B, T, E]. `renormalize` acts on softmax_topk:
+    topk_softmax's weights sum to 1 already."""
+    if router == "softmax_topk":  # Mixtral, Qwen3-MoE
+        probs = trace.record(f"{name}.router_probs",
+                             "softmax(router) over the E experts",
+                             torch.softmax(logits, dim=-1))  # [B, T, E]
+        weights, ids = torch.topk(probs, k, dim=-1)  # [B, T, k]
+        if renormalize:  # the k chosen weights sum to 1 again
+            weights = weights / weights.sum(dim=-1, keepdim=True)  # [B, T, k]
+    elif router == "topk_softmax":  # gpt-oss: a softmax over the k chosen logits
+        top, ids = torch.topk(logits, k, dim=-1)  # [B, T, k]
+        weights = torch.softmax(top, dim=-1)  # [B, T, k]
+    else:
+        raise LlmTraceError(f"router must be one of {', '.join(ROUTERS)}, "
+                            f"got {router!r}")
+    return ids, weights
+
+
+def gpt_oss_glu(gate, up, limit: float = 7.0, alpha: float = 1.702):
+    """gpt-oss's gated activation. gate is clamped from above, up on both sides, so that
+    no activation grows past `limit`; gate * sigmoid(alpha * gate) is a sharpened SiLU
+    (with alpha 1.702, close to GELU); up + 1 lets the gate pass even where up is 0."""
+    gate = gate.clamp(max=limit)  # [N, F]
+    up = up.clamp(min=-limit, max=limit)  # [N, F]
+    glu = gate * torch.sigmoid(gate * alpha)  # [N, F]
+    return (up + 1) * glu  # [N, F]
+
+
+def expert_mlp(x, w: MoeWeights, e: int, act: str = "silu", limit: float = 7.0,
+               alpha: float = 1.702):
+    """Expert e on the positions routed to it: x [N, D] -> [N, D]."""
+    gate = F.linear(x, w.gate[e], _row(w.gate_bias, e))  # [N, F]
+    up = F.linear(x, w.up[e], _row(w.up_bias, e))  # [N, F]
+    if act == "gpt_oss":
+        gated = gpt_oss_glu(gate, up, limit, alpha)  # [N, F]
+    else:  # SwiGLU, as the dense MLP
+        gated = F.silu(gate) * up  # [N, F]
+    return F.linear(gated, w.down[e], _row(w.down_bias, e))  # [N, D]
+
+
+def chosen_expert_outputs(x, w: MoeWeights, ids, act: str = "silu", limit: float = 7.0,
+                          alpha: float = 1.702):
+    """[B, T, k, D]: slot j of position t holds the output there of expert ids[b, t, j].
+    Each expert runs once, on just the positions that chose it."""
+    B, T, D = x.shape
+    E, k = w.gate.shape[0], ids.shape[-1]
+    if x.device.type == "meta":  # no values, so no routing: the shape alone
+        return x.new_empty(B, T, k, D)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E):
+        raise LlmTraceError(f"expert ids must lie in 0 .. {E - 1} (this layer has {E} "
+                            f"experts), got {int(ids.min())} .. {int(ids.max())}: "
+                            f"a patch of experts_chosen must return ids of this layer")
+    flat, ids = x.reshape(B * T, D), ids.reshape(B * T, k)  # [B*T, D], [B*T, k]
+    out = x.new_zeros(B * T, k, D)  # [B*T, k, D]
+    for e in range(E):
+        pos, slot = torch.where(ids == e)  # the (position, slot) pairs choosing e
+        out[pos, slot] = expert_mlp(flat[pos], w, e, act, limit, alpha)  # [N_e, D]
+    return out.reshape(B, T, k, D)
+
+
+def moe_mlp(x, w: MoeWeights, k: int, router: str = "softmax_topk",
+            renormalize: bool = True, act: str = "silu", limit: float = 7.0,
+            alpha: float = 1.702, trace=NO_TRACE, name: str = "mlp") -> torch.Tensor:
+    """x [B, T, D] -> [B, T, D]: route each position to k experts, run them, weigh the
+    k outputs and sum them."""
+    _check_args(w, k, router, act)
+    B, T, D = x.shape
+    E, Fsz, _ = w.gate.shape
+    op = "x @ W_router^T" + (" + b_router" if w.router_bias is not None else "")
+    logits = trace.record(f"{name}.router", op, F.linear(x, w.router, w.router_bias),
+                          B * T * D * E)  # [B, T, E]
+    ids, weights = route(logits, k, router, renormalize, trace, name)  # [B, T, k] each
+    how = ("top-k of softmax" + (", renormalized" if renormalize else "")
+           if router == "softmax_topk" else "top-k of the logits")
+    ids = trace.record(f"{name}.experts_chosen", f"{how}: expert ids", ids)  # [B, T, k]
+    what = ("softmax over the k chosen logits" if router == "topk_softmax"
+            else "their probabilities" + (", summing to 1" if renormalize else ""))
+    weights = trace.record(f"{name}.expert_weights", what, weights)  # [B, T, k]
+    mlp = "SwiGLU" if act == "silu" else "gpt-oss GLU"
+    out = trace.record(f"{name}.expert_out", f"the j-th chosen expert's {mlp} MLP",
+                       chosen_expert_outputs(x, w, ids, act, limit, alpha),
+                       B * T * k * 3 * D * Fsz)  # [B, T, k, D]
+    y = (weights[..., None] * out).sum(dim=2)  # [B, T, D]
+    return trace.record(f"{name}.out", "sum_j expert_weights_j * expert_out_j", y,
+                        B * T * k * D)
+
+
+def moe_params(w: MoeWeights, k: int) -> tuple[int, int]:
+    """(total, active per position): the parameters one MoE layer holds, and the ones a
+    position reads, the router and k of the E experts. Shapes only: works on meta."""
+    E = w.gate.shape[0]
+    router = sum(t.numel() for t in (w.router, w.router_bias) if t is not None)
+    experts = sum(t.numel() for t in (w.gate, w.up, w.down, w.gate_bias, w.up_bias,
+                                      w.down_bias) if t is not None)
+    return router + experts, router + experts // E * k
+
+
+def hf_moe_weights(get, prefix: str, model_type: str, n_experts: int) -> MoeWeights:
+    """One layer's MoeWeights from the names in HF safetensors files, as
+    `save_pretrained` writes them: get(name) -> tensor, prefix "model.layers.3".
+    Mixtral and Qwen3-MoE store each expert's matrices apart; gpt-oss stores them fused,
+    gate and up interleaved on the last axis, transposed (x @ W) from F.linear's."""
+    if model_type == "gpt_oss":
+        p = f"{prefix}.mlp"
+        gate_up = get(f"{p}.experts.gate_up_proj")  # [E, D, 2F]: g0 u0 g1 u1 ...
+        gate_up_bias = get(f"{p}.experts.gate_up_proj_bias")  # [E, 2F]
+        down = get(f"{p}.experts.down_proj")  # [E, F, D]
+        return MoeWeights(
+            router=get(f"{p}.router.weight"), router_bias=get(f"{p}.router.bias"),
+            gate=gate_up[..., ::2].transpose(1, 2).contiguous(),  # [E, F, D]
+            up=gate_up[..., 1::2].transpose(1, 2).contiguous(),  # [E, F, D]
+            down=down.transpose(1, 2).contiguous(),  # [E, D, F]
+            gate_bias=gate_up_bias[:, ::2].contiguous(),  # [E, F]
+            up_bias=gate_up_bias[:, 1::2].contiguous(),  # [E, F]
+            down_bias=get(f"{p}.experts.down_proj_bias"))  # [E, D]
+    names = HF_EXPERT_NAMES.get(model_type)
+    if names is None:
+        raise LlmTraceError(f"no MoE weight names for model_type {model_type!r}: "
+                            f"known are {', '.join([*HF_EXPERT_NAMES, 'gpt_oss'])}")
+    block, gate, up, down = names
+    p = f"{prefix}.{block}"
+
+    def stack(kind):  # [E, out, in]
+        return torch.stack([get(f"{p}.experts.{e}.{kind}.weight")
+                            for e in range(n_experts)])
+
+    return MoeWeights(router=get(f"{p}.gate.weight"), gate=stack(gate), up=stack(up),
+                      down=stack(down))
+
+
+# model_type -> (the block's name, and its experts' gate, up and down matrices)
+HF_EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def _row(bias, e: int):
+    return None if bias is None else bias[e]
+
+
+def _check_args(w: MoeWeights, k: int, router: str, act: str) -> None:
+    E = w.gate.shape[0]
+    if router not in ROUTERS:
+        raise LlmTraceError(f"router must be one of {', '.join(ROUTERS)}, "
+                            f"got {router!r}")
+    if act not in ACTS:
+        raise LlmTraceError(f"act must be one of {', '.join(ACTS)}, got {act!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= E:
+        raise LlmTraceError(f"k (experts per position) must be a whole number "
+                            f"in 1 .. {E}, got {k!r}")
