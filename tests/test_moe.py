@@ -353,3 +353,20 @@ def test_patched_experts_chosen_flows_on():
                                        .reshape(B, T, D))
     with pytest.raises(LlmTraceError, match=r"expert ids must lie in 0 .. 7 \(this layer has 8"):
         moe_mlp(x, w, K, trace=Patched({"mlp.experts_chosen": lambda t: t + E}))
+
+
+def test_mixtral_8x7b_layer_on_meta():
+    """A full-size layer (D 4096, F 14336, 8 experts, 2 chosen) traces on meta, no memory:
+    its 32 layers' experts and routers hold 45.1e9 of the published 46.7e9 parameters, and a
+    position reads 11.3e9 of its 12.9e9 active ones (attention and embeddings the rest)."""
+    d, f, e = 4096, 14336, 8
+    meta = dict(device="meta")
+    w = MoeWeights(router=torch.empty(e, d, **meta), gate=torch.empty(e, f, d, **meta),
+                   up=torch.empty(e, f, d, **meta), down=torch.empty(e, d, f, **meta))
+    tr = Trace()
+    out = moe_mlp(torch.empty(1, 6, d, **meta), w, 2, trace=tr, name="layers.0.mlp")
+    assert out.shape == (1, 6, d) and tr.shape("layers.0.mlp.expert_out") == (1, 6, 2, d)
+    assert tr.get("layers.0.mlp.expert_out").macs == 6 * 2 * 3 * d * f
+    total, active = moe_params(w, 2)
+    assert (total, active) == (e * d + e * 3 * d * f, e * d + 2 * 3 * d * f)
+    assert 45.0e9 < 32 * total < 46.7e9 and 11.2e9 < 32 * active < 12.9e9
