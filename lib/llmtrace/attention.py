@@ -87,7 +87,7 @@ def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0,
     turns scores into weights that sum to 1, and the output is the weighted sum of the
     values. window [T, S]: a sliding window's mask, added to the causal one.
     scale: the scores' factor, if not 1/sqrt(d) (Gemma).
-    sinks [H]: a learned logit per head that joins every row as one more key (gpt-oss)."""
+    sinks [H]: a learned logit per head, one more key in every row (gpt-oss)."""
     T, S, d = q.shape[-2], k.shape[-2], q.shape[-1]
     lead = math.prod(q.shape[:-2])  # batch x heads
     scores = q @ k.transpose(-2, -1)  # [B, H, T, S]

@@ -51,7 +51,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
     # each pair (d, d + head_dim/2) shares an angle
     angles = torch.cat([angles, angles], dim=-1)  # [T, head_dim]
     cos, sin = angles.cos(), angles.sin()  # [T, head_dim] each
-    if scaling:  # YaRN (gpt-oss) scales both tables by its attention factor, Llama 3 by 1
+    if scaling:  # YaRN (gpt-oss) scales both by its attention factor, Llama 3 by 1
         gain = rope_attention_factor(dict(scaling))
         cos, sin = cos * gain, sin * gain  # [T, head_dim] each
     return cos, sin
