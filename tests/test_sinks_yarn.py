@@ -219,7 +219,7 @@ def test_a_layer_without_rope_leaves_q_and_k_as_projected(embedded):
     attention(x, lw, m.config, pos, None, rope)
     for qk in ("q", "k"):
         assert torch.equal(nope[f"attn.rope_{qk}"], nope[f"attn.{qk}"])
-        assert nope.get(f"attn.rope_{qk}").op == f"no RoPE on this layer: {qk} as split"
+        assert nope.get(f"attn.rope_{qk}").op == f"no RoPE on this layer: {qk} unturned"
         assert (rope[f"attn.rope_{qk}"] - rope[f"attn.{qk}"]).abs().max() > 1e-2
     assert nope.names == rope.names  # the same records on every layer
     # the scores are the unturned heads' dot products

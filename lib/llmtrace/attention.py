@@ -175,9 +175,9 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
         k = apply_rope(k, pos.cos, pos.sin, trace,
                        f"{name}.rope_k", freq)  # [B, T, KV, hd]
     else:  # SmolLM3's NoPE layers: the same records, q and k unturned
-        q = trace.record(f"{name}.rope_q", "no RoPE on this layer: q as split",
+        q = trace.record(f"{name}.rope_q", "no RoPE on this layer: q unturned",
                          q)  # [B, T, H, hd]
-        k = trace.record(f"{name}.rope_k", "no RoPE on this layer: k as split",
+        k = trace.record(f"{name}.rope_k", "no RoPE on this layer: k unturned",
                          k)  # [B, T, KV, hd]
 
     # Write this step's K and V into the cache, read back every position so far.
