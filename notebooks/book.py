@@ -178,16 +178,20 @@ _RUNNING: list = [None]  # the config of the model `start_chapter` loaded: its l
 # How library code reads a switch other than as `config.<switch>`: the config field it stands
 # for, and the value it holds in a run that leaves that field at its default (Llama 2's)
 _SWITCH_ATTRS = {"pos.base": ("layer_types", 0.0), "pos.local": ("layer_types", None),
-                 "pos.window": ("sliding_window", None)}
+                 "pos.window": ("sliding_window", None), "pos.rope": ("no_rope_layers", True)}
 _SWITCH_NAMES = {  # per function: its parameters and locals that carry a switch
     "rms_norm": {"offset": ("norm_offset", False)},
     "embed": {"scale": ("embed_scale", False)},
-    "attend": {"scale": ("attn_scale", 0.0), "window": ("sliding_window", None)},
+    "attend": {"scale": ("attn_scale", 0.0), "window": ("sliding_window", None),
+               "sinks": ("attn_sinks", None)},
+    "rope_frequencies": {"scaling": ("rope_scaling", ())},
+    "rope_cos_sin": {"scaling": ("rope_scaling", ())},
     "swiglu": {"act": ("mlp_act", "silu")},
     "block": {"off": ("norm_offset", False)},
 }
 # the words by which a comment says that its line is another family's, and that family
-FAMILY_WORDS = {"Qwen": "qwen", "Gemma": "gemma", "GeGLU": "gemma", "Mistral": "mistral"}
+FAMILY_WORDS = {"Qwen": "qwen", "Gemma": "gemma", "GeGLU": "gemma", "Mistral": "mistral",
+                "gpt-oss": "gpt_oss", "SmolLM3": "smollm3"}
 
 
 def _switch_read(node, config, fn: str):
@@ -208,8 +212,9 @@ def _switch_read(node, config, fn: str):
     if key is None:
         return None
     field, value = key
-    default = {f.name: f.default for f in dataclasses.fields(config)}[field]
-    return field, value, getattr(config, field) == default
+    # a switch the config has no field for is off: no model it reads runs that code
+    default = {f.name: f.default for f in dataclasses.fields(config)}.get(field, value)
+    return field, value, getattr(config, field, default) == default
 
 
 def _decide(test, config, fn: str):

@@ -56,6 +56,7 @@ class Positions:
     window: torch.Tensor | None = None  # [T, start + T]: `window_mask`, if the config slides
     base: float = 0.0  # the RoPE base, said in the trace when layers differ in it (Gemma 3)
     local: "Positions | None" = None  # Gemma 3's sliding layers: their window and RoPE base
+    rope: bool = True  # False on a layer without RoPE (SmolLM3's NoPE layers): q, k as projected
 
     @classmethod
     def of(cls, start: int, T: int, config, device=None) -> "Positions":
@@ -80,12 +81,13 @@ class Positions:
 
 
 def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0,
-           window=None, scale=0.0):
+           window=None, scale=0.0, sinks=None):
     """Scaled dot-product attention, step by step. q [..., T, d], k and v [..., S, d],
     mask [T, S]. Each query row scores every key, the mask removes the future, softmax
     turns scores into weights that sum to 1, and the output is the weighted sum of the
     values. window [T, S]: a sliding window's mask, added to the causal one.
-    scale: the scores' factor, if not 1/sqrt(d) (Gemma)."""
+    scale: the scores' factor, if not 1/sqrt(d) (Gemma).
+    sinks [H]: a learned logit per head, one more key in every row (gpt-oss)."""
     T, S, d = q.shape[-2], k.shape[-2], q.shape[-1]
     lead = math.prod(q.shape[:-2])  # batch x heads
     scores = q @ k.transpose(-2, -1)  # [B, H, T, S]
@@ -105,10 +107,29 @@ def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0,
                                 mask + window)  # [T, S]
         scores = trace.record(f"{name}.masked_scores", f"scores + {kind}",
                               scores + mask)  # [B, H, T, S]
-    weights = trace.record(f"{name}.weights", "softmax over keys (rows sum to 1)",
-                           F.softmax(scores, dim=-1))  # [B, H, T, S]
+    if sinks is not None:  # gpt-oss: the sink column takes its share, then goes
+        weights = sink_softmax(scores, sinks, trace, name)  # [B, H, T, S]
+    else:
+        weights = trace.record(f"{name}.weights", "softmax over keys (rows sum to 1)",
+                               F.softmax(scores, dim=-1))  # [B, H, T, S]
     return trace.record(f"{name}.weighted_sum", "weights @ v",
                         weights @ v, lead * T * S * d)  # [B, H, T, d]
+
+
+def sink_softmax(scores, sinks, trace=NO_TRACE, name="attn"):
+    """scores [B, H, T, S] (masked), sinks [H] -> weights [B, H, T, S] whose rows sum below
+    1: each head's sink logit joins every query row as one more column, the softmax runs over
+    S + 1 columns, and the sink's column is dropped, so the attention it drew goes nowhere.
+    As HF's gpt-oss `eager_attention_forward`: the mask is added before the sink joins (the
+    sink is never masked); HF subtracts each row's max first, which softmax does itself."""
+    B, H, T, S = scores.shape
+    sink = sinks.to(scores.dtype).reshape(1, H, 1, 1).expand(B, H, T, 1)  # [B, H, T, 1]
+    both = trace.record(f"{name}.scores_with_sink", "masked_scores beside each head's sink "
+                        "logit (column S)", torch.cat([scores, sink], dim=-1))  # [B, H, T, S+1]
+    both = trace.record(f"{name}.weights_with_sink", "softmax over keys and the sink",
+                        F.softmax(both, dim=-1))  # [B, H, T, S+1]
+    return trace.record(f"{name}.weights", "sink column dropped (rows sum below 1)",
+                        both[..., :S])  # [B, H, T, S]
 
 
 def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="attn"):
@@ -148,10 +169,16 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
     freq = "llama3-scaled freq" if config.rope_scaling else "freq"
     if pos.base:  # Gemma 3: local and global layers turn at different bases
         freq += f" (base {pos.base:g})"
-    q = apply_rope(q, pos.cos, pos.sin, trace,
-                   f"{name}.rope_q", freq)  # [B, T, H, hd]
-    k = apply_rope(k, pos.cos, pos.sin, trace,
-                   f"{name}.rope_k", freq)  # [B, T, KV, hd]
+    if pos.rope:
+        q = apply_rope(q, pos.cos, pos.sin, trace,
+                       f"{name}.rope_q", freq)  # [B, T, H, hd]
+        k = apply_rope(k, pos.cos, pos.sin, trace,
+                       f"{name}.rope_k", freq)  # [B, T, KV, hd]
+    else:  # SmolLM3's NoPE layers: the same records, q and k unturned
+        q = trace.record(f"{name}.rope_q", "no RoPE on this layer: q unturned",
+                         q)  # [B, T, H, hd]
+        k = trace.record(f"{name}.rope_k", "no RoPE on this layer: k unturned",
+                         k)  # [B, T, KV, hd]
 
     # Write this step's K and V into the cache, read back every position so far.
     start = pos.start
