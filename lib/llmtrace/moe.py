@@ -2,12 +2,23 @@
 them for each position. The layer's output is the weighted sum of the k chosen experts'
 outputs, so a position pays for k experts while the layer holds E.
 
-Three routers, as HF transformers writes them (`route`):
+Three routers, as HF transformers writes them (`route`), and DeepSeek-V3's:
 - Mixtral: a softmax over all E logits, the top k, their weights renormalized to sum 1.
 - Qwen3-MoE: the same, renormalized only if the config says `norm_topk_prob`.
 - gpt-oss: a router with a bias; the top k logits, then a softmax over those k alone.
   That is Mixtral's rule in another order: on the same logits, softmax over all E, top k
   and renormalize give the same weights (tests/test_moe.py checks it).
+- DeepSeek-V3 (`sigmoid_group`): each expert's score is a sigmoid of its own logit, not
+  a share of a softmax. A bias per expert is added to the scores for choosing only; the
+  experts sit in groups, the best groups are chosen first (by the sum of their two best
+  biased scores), then the top k within them; the chosen experts' weights are their
+  unbiased scores, renormalized if the config says `norm_topk_prob`, times
+  `routed_scaling_factor`. The bias steers the load over the experts without changing
+  what a chosen expert's output counts.
+
+DeepSeek's layers also hold shared experts: one dense SwiGLU MLP (n_shared_experts x
+moe_intermediate_size wide) that every position runs, its output added to the routed
+experts'.
 
 Each expert is a SwiGLU MLP (mlp.py) with its own three matrices. gpt-oss's experts have
 biases and their own activation, `gpt_oss_glu`.
@@ -27,10 +38,20 @@ import torch
 import torch.nn.functional as F
 
 from .errors import LlmTraceError
+from .mlp import swiglu
 from .trace import NO_TRACE
 
-ROUTERS = ("softmax_topk", "topk_softmax")
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group")
 ACTS = ("silu", "gpt_oss")
+
+
+@dataclass
+class MlpWeights:
+    """A dense SwiGLU MLP's three matrices, as mlp.swiglu reads them: DeepSeek's shared
+    experts."""
+    gate: torch.Tensor  # [F, D]
+    up: torch.Tensor  # [F, D]
+    down: torch.Tensor  # [D, F]
 
 
 @dataclass
@@ -45,13 +66,18 @@ class MoeWeights:
     gate_bias: torch.Tensor | None = None  # [E, F]    gpt-oss
     up_bias: torch.Tensor | None = None  # [E, F]
     down_bias: torch.Tensor | None = None  # [E, D]
+    score_bias: torch.Tensor | None = None  # [E]  DeepSeek-V3's e_score_correction_bias
+    shared: MlpWeights | None = None  # DeepSeek: the shared experts, one dense MLP
 
 
 def route(logits, k: int, router: str = "softmax_topk", renormalize: bool = True,
-          trace=NO_TRACE, name: str = "mlp"):
+          trace=NO_TRACE, name: str = "mlp", bias=None, n_group: int = 1,
+          topk_group: int = 1, scaling: float = 1.0):
     """(ids, weights), each [B, T, k]: the k experts each position goes to, and how much
-    each one's output counts. logits: [B, T, E]. `renormalize` acts on softmax_topk:
-    topk_softmax's weights sum to 1 already."""
+    each one's output counts. logits: [B, T, E]. `renormalize` acts on softmax_topk
+    and sigmoid_group: topk_softmax's weights sum to 1 already. bias [E], n_group,
+    topk_group: sigmoid_group's (`sigmoid_group_route`). scaling: every weight's
+    factor (routed_scaling_factor)."""
     if router == "softmax_topk":  # Mixtral, Qwen3-MoE
         probs = trace.record(f"{name}.router_probs",
                              "softmax(router) over the E experts",
@@ -62,9 +88,44 @@ def route(logits, k: int, router: str = "softmax_topk", renormalize: bool = True
     elif router == "topk_softmax":  # gpt-oss: a softmax over the k chosen logits
         top, ids = torch.topk(logits, k, dim=-1)  # [B, T, k]
         weights = torch.softmax(top, dim=-1)  # [B, T, k]
+    elif router == "sigmoid_group":  # DeepSeek-V3
+        ids, weights = sigmoid_group_route(logits, k, bias, n_group, topk_group,
+                                           renormalize, trace, name)  # [B, T, k] each
     else:
         raise LlmTraceError(f"router must be one of {', '.join(ROUTERS)}, "
                             f"got {router!r}")
+    if scaling != 1.0:  # DeepSeek: routed_scaling_factor
+        weights = weights * scaling  # [B, T, k]
+    return ids, weights
+
+
+def sigmoid_group_route(logits, k: int, bias=None, n_group: int = 1,
+                        topk_group: int = 1, renormalize: bool = True, trace=NO_TRACE,
+                        name: str = "mlp"):
+    """DeepSeek-V3's router: (ids, weights) [B, T, k] each, from logits [B, T, E]. The
+    bias [E] moves which experts are chosen, never what they weigh; G = n_group groups
+    of E/G experts, the topk_group best groups by the sum of their two best biased
+    scores, then the top k experts of those groups."""
+    B, T, E = logits.shape
+    G = n_group
+    scores = trace.record(f"{name}.router_scores", "sigmoid(router): each expert on "
+                          "its own", torch.sigmoid(logits))  # [B, T, E]
+    choice = scores if bias is None else scores + bias  # [B, T, E]
+    what = ("router_scores + e_score_correction_bias (for choosing only)"
+            if bias is not None else "router_scores")
+    choice = trace.record(f"{name}.choice_scores", what, choice)  # [B, T, E]
+    best_two = choice.view(B, T, G, E // G).topk(2, dim=-1)[0]  # [B, T, G, 2]
+    group_scores = trace.record(f"{name}.group_scores", "sum of each group's 2 best "
+                                "choice_scores", best_two.sum(-1))  # [B, T, G]
+    groups = group_scores.topk(topk_group, dim=-1)[1]  # [B, T, topk_group]
+    groups = trace.record(f"{name}.groups_chosen", f"the {topk_group} best groups",
+                          groups)  # [B, T, topk_group]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(-1, groups, True)
+    keep = keep[..., None].expand(B, T, G, E // G).reshape(B, T, E)  # [B, T, E]
+    ids = choice.masked_fill(~keep, float("-inf")).topk(k, dim=-1)[1]  # [B, T, k]
+    weights = scores.gather(-1, ids)  # [B, T, k]: unbiased
+    if renormalize:  # HF adds 1e-20 to the sum, as DeepSeek's code
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # [B, T, k]
     return ids, weights
 
 
@@ -112,29 +173,45 @@ def chosen_expert_outputs(x, w: MoeWeights, ids, act: str = "silu", limit: float
 
 def moe_mlp(x, w: MoeWeights, k: int, router: str = "softmax_topk",
             renormalize: bool = True, act: str = "silu", limit: float = 7.0,
-            alpha: float = 1.702, trace=NO_TRACE, name: str = "mlp") -> torch.Tensor:
+            alpha: float = 1.702, trace=NO_TRACE, name: str = "mlp", n_group: int = 1,
+            topk_group: int = 1, scaling: float = 1.0) -> torch.Tensor:
     """x [B, T, D] -> [B, T, D]: route each position to k experts, run them, weigh the
-    k outputs and sum them."""
+    k outputs and sum them; add the shared experts' output if the layer has them.
+    n_group, topk_group: sigmoid_group's groups; scaling: routed_scaling_factor."""
     _check_args(w, k, router, act)
+    if router == "sigmoid_group":
+        _check_groups(w.gate.shape[0], k, n_group, topk_group)
     B, T, D = x.shape
     E, Fsz, _ = w.gate.shape
     op = "x @ W_router^T" + (" + b_router" if w.router_bias is not None else "")
     logits = trace.record(f"{name}.router", op, F.linear(x, w.router, w.router_bias),
                           B * T * D * E)  # [B, T, E]
-    ids, weights = route(logits, k, router, renormalize, trace, name)  # [B, T, k] each
-    how = ("top-k of softmax" + (", renormalized" if renormalize else "")
-           if router == "softmax_topk" else "top-k of the logits")
+    ids, weights = route(logits, k, router, renormalize, trace, name, w.score_bias,
+                         n_group, topk_group, scaling)  # [B, T, k] each
+    norm = ", renormalized" if renormalize else ""
+    how = {"softmax_topk": f"top-k of softmax{norm}",
+           "topk_softmax": "top-k of the logits",
+           "sigmoid_group": "top-k of choice_scores in the chosen groups"}[router]
     ids = trace.record(f"{name}.experts_chosen", f"{how}: expert ids", ids)  # [B, T, k]
-    what = ("softmax over the k chosen logits" if router == "topk_softmax"
-            else "their probabilities" + (", summing to 1" if renormalize else ""))
+    sums = ", summing to 1" if renormalize else ""
+    what = {"softmax_topk": f"their probabilities{sums}",
+            "topk_softmax": "softmax over the k chosen logits",
+            "sigmoid_group": f"their router_scores (no bias){sums}"}[router]
+    what += f", x {scaling:g}" if scaling != 1.0 else ""
     weights = trace.record(f"{name}.expert_weights", what, weights)  # [B, T, k]
     mlp = "SwiGLU" if act == "silu" else "gpt-oss GLU"
     out = trace.record(f"{name}.expert_out", f"the j-th chosen expert's {mlp} MLP",
                        chosen_expert_outputs(x, w, ids, act, limit, alpha),
                        B * T * k * 3 * D * Fsz)  # [B, T, k, D]
     y = (weights[..., None] * out).sum(dim=2)  # [B, T, D]
-    return trace.record(f"{name}.out", "sum_j expert_weights_j * expert_out_j", y,
-                        B * T * k * D)
+    if w.shared is None:
+        return trace.record(f"{name}.out", "sum_j expert_weights_j * expert_out_j", y,
+                            B * T * k * D)
+    # DeepSeek: the routed experts' sum, and the shared experts that every position runs
+    y = trace.record(f"{name}.routed", "sum_j expert_weights_j * expert_out_j", y,
+                     B * T * k * D)  # [B, T, D]
+    shared = swiglu(x, w.shared, trace, f"{name}.shared")  # [B, T, D]
+    return trace.record(f"{name}.out", "routed + shared.down", y + shared)  # [B, T, D]
 
 
 def moe_params(w: MoeWeights, k: int) -> tuple[int, int]:
@@ -144,7 +221,11 @@ def moe_params(w: MoeWeights, k: int) -> tuple[int, int]:
     router = sum(t.numel() for t in (w.router, w.router_bias) if t is not None)
     experts = sum(t.numel() for t in (w.gate, w.up, w.down, w.gate_bias, w.up_bias,
                                       w.down_bias) if t is not None)
-    return router + experts, router + experts // E * k
+    # DeepSeek's shared experts run at every position; score_bias is a buffer, not
+    # learned by gradient (HF counts no parameter for it)
+    shared = (0 if w.shared is None
+              else sum(t.numel() for t in w.shared.__dict__.values()))
+    return router + experts + shared, router + experts // E * k + shared
 
 
 def hf_moe_weights(get, prefix: str, model_type: str, n_experts: int) -> MoeWeights:
@@ -165,10 +246,13 @@ def hf_moe_weights(get, prefix: str, model_type: str, n_experts: int) -> MoeWeig
             gate_bias=gate_up_bias[:, ::2].contiguous(),  # [E, F]
             up_bias=gate_up_bias[:, 1::2].contiguous(),  # [E, F]
             down_bias=get(f"{p}.experts.down_proj_bias"))  # [E, D]
+    if model_type in DEEPSEEK:
+        return hf_deepseek_moe_weights(get, prefix, model_type, n_experts)
     names = HF_EXPERT_NAMES.get(model_type)
     if names is None:
+        known = ", ".join([*HF_EXPERT_NAMES, "gpt_oss", *DEEPSEEK])
         raise LlmTraceError(f"no MoE weight names for model_type {model_type!r}: "
-                            f"known are {', '.join([*HF_EXPERT_NAMES, 'gpt_oss'])}")
+                            f"known are {known}")
     block, gate, up, down = names
     p = f"{prefix}.{block}"
 
@@ -180,11 +264,47 @@ def hf_moe_weights(get, prefix: str, model_type: str, n_experts: int) -> MoeWeig
                       down=stack(down))
 
 
+def hf_deepseek_moe_weights(get, prefix: str, model_type: str,
+                            n_experts: int) -> MoeWeights:
+    """DeepSeek-V2/V3's MoE layer from the names on disk: the experts as Qwen3-MoE's,
+    the shared experts as a dense MLP; V3's router holds its bias
+    (`e_score_correction_bias`)."""
+    p = f"{prefix}.mlp"
+    w = hf_moe_weights(get, prefix, "qwen3_moe", n_experts)  # the same expert names
+
+    def shared(kind):
+        return get(f"{p}.shared_experts.{kind}_proj.weight")
+
+    w.shared = MlpWeights(gate=shared("gate"), up=shared("up"), down=shared("down"))
+    if model_type == "deepseek_v3":
+        w.score_bias = get(f"{p}.gate.e_score_correction_bias")  # [E]
+    return w
+
+
 # model_type -> (the block's name, and its experts' gate, up and down matrices)
 HF_EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
     "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-}
+}  # DeepSeek-V2/V3: Qwen3-MoE's names and shared experts (hf_deepseek_moe_weights)
+
+
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+
+
+def _check_groups(E: int, k: int, n_group: int, topk_group: int) -> None:
+    """sigmoid_group's groups: G divides E into groups of at least 2 (a group scores by
+    its two best), 1 <= topk_group <= G, and the chosen groups hold k or more."""
+    for key, value in (("n_group", n_group), ("topk_group", topk_group)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LlmTraceError(f"{key} must be a whole number, at least 1, "
+                                f"got {value!r}")
+    if E % n_group or E // n_group < 2:
+        raise LlmTraceError(f"n_group={n_group} must divide the {E} experts into "
+                            f"groups of 2 or more")
+    if topk_group > n_group or topk_group * (E // n_group) < k:
+        raise LlmTraceError(f"topk_group={topk_group} must lie in 1 .. "
+                            f"n_group={n_group} and its groups hold the k={k} experts "
+                            f"chosen ({E // n_group} each)")
 
 
 def _row(bias, e: int):
