@@ -565,3 +565,45 @@ def test_toy_latent_rank_2_rebuilds_k_and_v_of_4_tokens():
     torch.testing.assert_close(V, tr["attn.v"][0, :, 0])
     assert torch.linalg.matrix_rank(K) == 2 and torch.linalg.matrix_rank(V) == 2
     assert c.numel() == 8 and K.numel() + V.numel() == 24
+
+
+def test_deepseek_v3_layers_on_meta():
+    """DeepSeek-V3 at full size, one MLA layer and one MoE layer on meta (no memory): their
+    records' shapes, and the parameters of 61 such attention layers, 3 dense MLPs, 58 MoE
+    layers, the embedding and the LM head: DeepSeek's published 671B total and 37B active."""
+    c = DeepseekV3Config()
+    D, Hf, Rf, Rqf = c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.q_lora_rank
+    dn, dr, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    E_, F_, k = c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok
+    Fs = F_ * c.n_shared_experts
+
+    def empty(*shape):
+        return torch.empty(*shape, device="meta")
+
+    w = MlaWeights(kv_a=empty(Rf + dr, D), kv_a_norm=empty(Rf), kv_b=empty(Hf * (dn + dv), Rf),
+                   o_proj=empty(D, Hf * dv), q_a=empty(Rqf, D), q_a_norm=empty(Rqf),
+                   q_b=empty(Hf * (dn + dr), Rqf))
+    m = MoeWeights(router=empty(E_, D), gate=empty(E_, F_, D), up=empty(E_, F_, D),
+                   down=empty(E_, D, F_), score_bias=empty(E_),
+                   shared=MlpWeights(empty(Fs, D), empty(Fs, D), empty(D, Fs)))
+    d = MlaDims(Hf, Rf, dn, dr, dv, Rqf)
+    T = 6
+    pos = Positions(0, *rope_cos_sin(torch.arange(T, device="meta"), dr, 10000.0),
+                    causal_mask(T, T, 0, "meta"))
+    tr, x = Trace(), empty(1, T, D)
+    mla_attention(x, w, d, pos, LatentCache(T, Rf, dr, device="meta"), tr, "layers.3.attn")
+    moe_mlp(x, m, k, router="sigmoid_group", n_group=c.n_group, topk_group=c.topk_group,
+            scaling=c.routed_scaling_factor, trace=tr, name="layers.3.mlp")
+    assert tr.shape("layers.3.attn.kv_cache.latent") == (1, T, 512)
+    assert tr.shape("layers.3.attn.kv_cache.k_rope") == (1, T, 64)
+    assert tr.shape("layers.3.attn.k") == (1, T, 128, 192)
+    assert tr.shape("layers.3.attn.v") == (1, T, 128, 128)
+    assert tr.shape("layers.3.mlp.group_scores") == (1, T, 8)
+    assert tr.shape("layers.3.mlp.expert_out") == (1, T, 8, D)
+    attn = mla_params(w)
+    moe_total, moe_active = moe_params(m, k)
+    L, dense = c.num_hidden_layers, c.first_k_dense_replace
+    rest = 2 * c.vocab_size * D + D + L * (attn + 2 * D) + dense * 3 * D * c.intermediate_size
+    total = rest + (L - dense) * moe_total
+    active = rest + (L - dense) * moe_active
+    assert 670.5e9 < total < 671.5e9 and 37.0e9 < active < 38.0e9, (total, active)

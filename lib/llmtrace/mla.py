@@ -172,8 +172,8 @@ def mla_rope(x, pos: Positions, d: MlaDims):
 
 
 def rope_words(d: MlaDims) -> str:
-    pairs = "adjacent pairs, de-interleaved, as " if d.rope_interleave else ""
-    return f"rotate {pairs}pairs (d, d+dr/2) by position * freq"
+    first = "adjacent pairs de-interleaved, then " if d.rope_interleave else ""
+    return f"{first}rotate pairs (d, d+dr/2) by position * freq"
 
 
 def mla_latent(x, w: MlaWeights, d: MlaDims, pos: Positions, trace=NO_TRACE,
