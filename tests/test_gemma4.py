@@ -18,8 +18,9 @@ from llmtrace import gemma4
 from llmtrace.attention import Positions, causal_mask, window_mask
 from llmtrace.embed import embed
 from llmtrace.errors import LlmTraceError
-from llmtrace.gemma4 import (LayerShape, PleWeights, gemma4_attention, kv_bytes_per_token,
-                             kv_sources, layer_scaled, layer_shapes, params_of_shapes,
+from llmtrace.gemma4 import (PleWeights, gemma4_attention, gemma4_router, hf_moe_branch,
+                             kv_bytes_per_token, kv_sources, layer_scaled, layer_shapes,
+                             moe_branch, params_of_shapes,
                              per_layer_inputs, per_layer_residual, proportional_cos_sin,
                              proportional_frequencies, refuse_unsupported, softcap)
 from llmtrace.kv_cache import KVCache
@@ -57,6 +58,10 @@ def tiny_hf(seed=0, **overrides):
                 p.uniform_(0.5, 1.5)
             elif "embed" in name:
                 p.normal_(0, 0.5)
+            elif "router.proj" in name:  # logits spread wide: no near-ties in the top k
+                p.normal_(0, 3.0)
+            elif "scale" in name:  # router.scale, router.per_expert_scale
+                p.uniform_(0.5, 1.5)
         for name, b in hf.named_buffers():
             if name.endswith("layer_scalar"):
                 b.uniform_(0.5, 1.5)
@@ -129,13 +134,13 @@ def test_kv_bytes_and_params_from_shapes(hf):
 
 
 def test_refusals():
-    for key, value in (("enable_moe_block", True), ("vision_config", {"hidden_size": 8}),
+    for key, value in (("vision_config", {"hidden_size": 8}),
                        ("audio_config", {"hidden_size": 8}),
                        ("use_bidirectional_attention", "vision")):
         with pytest.raises(LlmTraceError, match=rf"^cfg: {key}=.* is not implemented for "
                                                 r"Gemma 4"):
             refuse_unsupported({**TINY, key: value}, "cfg")
-    refuse_unsupported({**TINY, "enable_moe_block": False, "vision_config": None}, "cfg")
+    refuse_unsupported({**TINY, **MOE, "vision_config": None}, "cfg")  # the MoE is computed
 
 
 # --- RoPE on part of each head ----------------------------------------------------------------
@@ -188,15 +193,22 @@ def positions(start, T, W=4, fraction=0.5, device=None):
             "full": Positions(start, *full, causal)}
 
 
-def lib_logits(sd, shapes, ids, start=0, caches=None, trace=NO_TRACE, off=(), fraction=0.5):
-    """Gemma4ForCausalLM from llmtrace's stages. off: pieces left out, for the controls."""
+def lib_logits(sd, shapes, ids, start=0, caches=None, trace=NO_TRACE, off=(), fraction=0.5,
+               cap=3.0, k=2):
+    """Gemma4ForCausalLM from llmtrace's stages. off: pieces left out, for the controls;
+    cap: final_logit_softcapping (None: none); k: experts per position, if the layers have
+    experts."""
     L, H = len(shapes), 4
     offset = "norm_weight" in off  # Gemma 3's (1 + weight) in place of Gemma 4's weight
     pos = positions(start, ids.shape[1], fraction=fraction, device=ids.device)
     x = embed(ids, sd["model.embed_tokens.weight"], trace, scale=True)  # [B, T, D]
-    ple = per_layer_inputs(ids, x, PleWeights(
-        sd["model.embed_tokens_per_layer.weight"], sd["model.per_layer_model_projection.weight"],
-        sd["model.per_layer_projection_norm.weight"]), L, EPS, trace)  # [B, T, L, P]
+    if "model.embed_tokens_per_layer.weight" in sd:  # hidden_size_per_layer_input > 0
+        ple = per_layer_inputs(ids, x, PleWeights(
+            sd["model.embed_tokens_per_layer.weight"],
+            sd["model.per_layer_model_projection.weight"],
+            sd["model.per_layer_projection_norm.weight"]), L, EPS, trace)  # [B, T, L, P]
+    else:
+        off = (*off, "ple")
     read = {}
     for i, s in enumerate(shapes):
         w, name = layer_weights(sd, i), f"layers.{i}"
@@ -209,6 +221,9 @@ def lib_logits(sd, shapes, ids, start=0, caches=None, trace=NO_TRACE, off=(), fr
         x = trace.record(f"{name}.resid_mid", "x + attn", x + h)  # [B, T, D]
         h = rms_norm(x, w.mlp_norm, EPS, trace, f"{name}.mlp_norm", offset)
         h = swiglu(h, w, trace, f"{name}.mlp", "gelu_tanh")  # [B, T, D]
+        if f"model.layers.{i}.router.scale" in sd:  # enable_moe_block: experts beside
+            branch = hf_moe_branch(sd.__getitem__, f"model.layers.{i}")
+            h = moe_branch(x, h, branch, k, EPS, trace, name)  # [B, T, D]
         h = rms_norm(h, w.post_mlp_norm, EPS, trace, f"{name}.mlp_post_norm", offset)
         x = trace.record(f"{name}.resid_out", "h + mlp", x + h)  # [B, T, D]
         if "ple" not in off:
@@ -218,7 +233,7 @@ def lib_logits(sd, shapes, ids, start=0, caches=None, trace=NO_TRACE, off=(), fr
     x = rms_norm(x, sd["model.norm.weight"], EPS, trace, "final_norm", offset)
     logits = trace.record("lm_head", "x @ W^T (tied)",
                           F.linear(x, sd["model.embed_tokens.weight"]))  # [B, T, V]
-    return logits if "softcap" in off else softcap(logits, 3.0, trace)
+    return logits if "softcap" in off or cap is None else softcap(logits, cap, trace)
 
 
 def new_caches(shapes, max_len, device="cpu"):
@@ -425,3 +440,77 @@ def test_meta_shapes_equal_real_ones(model):
     assert by["layers.4.mlp.gate"] == (1, 1, 96)
     assert by["ple"] == (1, 1, 6, 8)
     assert "layers.4.attn.k_proj" not in by and "layers.3.attn.k_proj" in by
+
+
+# --- the MoE variant --------------------------------------------------------------------------
+MOE = dict(num_hidden_layers=3, layer_types=KINDS[:3], num_kv_shared_layers=0,
+           attention_k_eq_v=False, hidden_size_per_layer_input=0, enable_moe_block=True,
+           num_experts=6, top_k_experts=2, moe_intermediate_size=12,
+           final_logit_softcapping=None)
+
+
+@pytest.fixture(scope="module")
+def moe_model():
+    hf = tiny_hf(seed=2, **MOE)
+    return hf, dict(hf.state_dict()), layer_shapes(hf_dict(hf))
+
+
+def test_moe_model_matches_hf(moe_model):
+    """Experts beside the dense MLP in every layer, no per-layer inputs, the full layers with
+    a V projection of their own (attention_k_eq_v off): prefill past the window, and the
+    router's choices are HF's."""
+    hf, sd, shapes = moe_model
+    assert [s.k_eq_v for s in shapes] == [False] * 3 and "model.layers.2.self_attn.v_proj" \
+        ".weight" in sd
+    ids = ids_of()
+    t = Trace()
+    with torch.no_grad():
+        ref = hf_logits(hf, ids)
+        mine = lib_logits(sd, shapes, ids, trace=t, cap=None)
+        x = torch.randn(1, PROMPT_LEN, 32)
+        _, hf_w, hf_ids = hf.model.layers[1].router(x.reshape(-1, 32))
+        ids_, w_ = gemma4_router(x, hf_moe_branch(sd.__getitem__, "model.layers.1"), 2, EPS)
+    assert (mine - ref).abs().max() < 1e-4
+    assert (ids_.reshape(-1, 2) == hf_ids).all()
+    assert (w_.reshape(-1, 2) - hf_w).abs().max() < TOL
+    assert t["layers.1.moe.expert_out"].shape == (1, PROMPT_LEN, 2, 32)
+    chosen = t["layers.0.moe.experts_chosen"]
+    assert len(chosen.unique()) > 2  # positions go to different experts
+
+
+@pytest.mark.parametrize("piece", ["expert_scale", "router_scale", "dense", "experts"])
+def test_moe_piece_off_moves_the_logits(moe_model, piece, monkeypatch):
+    hf, sd, shapes = moe_model
+    ids = ids_of()
+    sd = dict(sd)
+    for i in range(3):
+        p = f"model.layers.{i}."
+        if piece == "expert_scale":
+            sd[p + "router.per_expert_scale"] = torch.ones(6)
+        if piece == "router_scale":
+            sd[p + "router.scale"] = torch.ones(32)
+        if piece == "experts":  # the dense MLP alone
+            sd[p + "post_feedforward_layernorm_2.weight"] = torch.zeros(32)
+        if piece == "dense":
+            sd[p + "post_feedforward_layernorm_1.weight"] = torch.zeros(32)
+    with torch.no_grad():
+        off = lib_logits(sd, shapes, ids, cap=None)
+        ref = hf_logits(hf, ids)
+    assert (off - ref).abs().max() > 100 * 1e-4, piece
+
+
+def test_moe_names_on_disk(tmp_path, moe_model):
+    """Fused on disk as in memory: gate_up_proj [E, 2F, D], gate rows first."""
+    hf, _, _ = moe_model
+    hf.save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    p = "model.layers.0."
+    assert sd[p + "experts.gate_up_proj"].shape == (6, 24, 32)
+    assert sd[p + "experts.down_proj"].shape == (6, 32, 12)
+    assert sd[p + "router.proj.weight"].shape == (6, 32)
+    assert sd[p + "router.scale"].shape == (32,) and sd[p + "router.per_expert_scale"].shape \
+        == (6,)
+    for n in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+              "pre_feedforward_layernorm_2"):
+        assert sd[f"{p}{n}.weight"].shape == (32,)
+    assert "model.embed_tokens_per_layer.weight" not in sd  # hidden_size_per_layer_input 0

@@ -2,7 +2,7 @@
 (`models/gemma4/modeling_gemma4.py`).
 
 - Two kinds of layer with different heads: sliding layers use `head_dim`, full layers a wider
-  `global_head_dim` (512 in the published models), and, with `attention_k_eq_v`, their own
+  `global_head_dim` (512 by its class's default), and, with `attention_k_eq_v`, their own
   number of KV heads and no V projection: V is K's projection, normalized on its own.
 - Full layers turn only part of each head (`proportional_frequencies`): a fraction of the
   pairs keeps RoPE's frequencies counted over the whole head, the rest do not turn.
@@ -17,6 +17,9 @@
   it with its stream and adds it back (`per_layer_residual`).
 - Each layer's output is multiplied by a stored scalar (`layer_scaled`), and the final logits
   are soft-capped (`softcap`).
+- The MoE variant (`enable_moe_block`) keeps the dense MLP and adds experts beside it, on the
+  same stream, with a router of its own (`gemma4_router`) and norms of their own
+  (`moe_branch`); the experts are moe.py's, with GeGLU.
 
 Shapes: B batch, T positions, D hidden, H query heads, KV key/value heads, hd a layer's head
 dim, L layers, P `hidden_size_per_layer_input`, S positions read from the cache.
@@ -29,14 +32,13 @@ import torch.nn.functional as F
 
 from .attention import attend, repeat_kv
 from .errors import LlmTraceError
+from .moe import MoeWeights, chosen_expert_outputs, route
 from .norm import rms_norm
 from .rope import apply_rope
 from .trace import NO_TRACE
 
 # HF config keys of parts computed nowhere here, and why (config key -> what it would add)
 REFUSED = {
-    "enable_moe_block": "a mixture of experts beside each layer's MLP (its own router with a "
-                        "per-expert scale, and three more norms)",
     "use_bidirectional_attention": "attention over later tokens too",
     "vision_config": "the vision tower (images to soft tokens)",
     "audio_config": "the audio tower (sound to soft tokens)",
@@ -276,6 +278,72 @@ def softcap(logits, cap: float, trace=NO_TRACE, name: str = "lm_head.softcap") -
                         cap * torch.tanh(logits / cap))  # [B, T, V]
 
 
+# --- the MoE variant: experts beside the dense MLP -------------------------------------------
+@dataclass
+class MoeBranch:
+    """One layer's experts (enable_moe_block) and what surrounds them."""
+    experts: MoeWeights  # router [E, D] (router.proj), gate, up [E, F, D], down [E, D, F]
+    router_scale: torch.Tensor  # [D]   router.scale
+    expert_scale: torch.Tensor  # [E]   router.per_expert_scale
+    in_norm: torch.Tensor  # [D]        pre_feedforward_layernorm_2
+    out_norm: torch.Tensor  # [D]       post_feedforward_layernorm_2
+    dense_norm: torch.Tensor  # [D]     post_feedforward_layernorm_1 (the dense MLP's output)
+
+
+def hf_moe_branch(get, prefix: str) -> MoeBranch:
+    """A layer's MoeBranch from the names save_pretrained writes, prefix "model.layers.3":
+    experts.gate_up_proj [E, 2F, D] (gate rows first), experts.down_proj [E, D, F]."""
+    gate_up = get(f"{prefix}.experts.gate_up_proj")  # [E, 2F, D]
+    half = gate_up.shape[1] // 2
+    experts = MoeWeights(router=get(f"{prefix}.router.proj.weight"),
+                         gate=gate_up[:, :half], up=gate_up[:, half:],  # [E, F, D] each
+                         down=get(f"{prefix}.experts.down_proj"))  # [E, D, F]
+    return MoeBranch(experts, get(f"{prefix}.router.scale"),
+                     get(f"{prefix}.router.per_expert_scale"),
+                     get(f"{prefix}.pre_feedforward_layernorm_2.weight"),
+                     get(f"{prefix}.post_feedforward_layernorm_2.weight"),
+                     get(f"{prefix}.post_feedforward_layernorm_1.weight"))
+
+
+def gemma4_router(x, w: MoeBranch, k: int, eps: float, trace=NO_TRACE, name: str = "moe"):
+    """(ids, weights) [B, T, k] for x [B, T, D], the stream before the MLP's norm: x to RMS
+    1, times a learned scale and 1/sqrt(D), scored by each expert; softmax, the top k
+    renormalized (moe.py's `route`), then each weight times its expert's own scale."""
+    B, T, D = x.shape
+    E = w.experts.router.shape[0]
+    h = unit_rms_norm(x, eps, trace, f"{name}.router_norm")  # [B, T, D]
+    h = trace.record(f"{name}.router_in", f"router_norm * scale / sqrt({D})",
+                     h * w.router_scale * D**-0.5)  # [B, T, D]
+    logits = trace.record(f"{name}.router", "router_in @ W_router^T",
+                          F.linear(h, w.experts.router), B * T * D * E)  # [B, T, E]
+    ids, weights = route(logits, k, "softmax_topk", True, trace, name)  # [B, T, k] each
+    ids = trace.record(f"{name}.experts_chosen", "top-k of softmax: expert ids", ids)
+    weights = trace.record(f"{name}.expert_weights", "renormalized, times per_expert_scale",
+                           weights * w.expert_scale[ids])  # [B, T, k]
+    return ids, weights
+
+
+def moe_branch(x, dense, w: MoeBranch, k: int, eps: float, trace=NO_TRACE,
+               name: str = "layers.0") -> torch.Tensor:
+    """x [B, T, D] the stream after attention, dense [B, T, D] the dense MLP's output ->
+    their sum, each normalized: the experts run beside the MLP on the same stream, with
+    norms of their own, and the layer's post-MLP norm follows on the sum."""
+    B, T, D = x.shape
+    E, Fsz, _ = w.experts.gate.shape
+    dense = rms_norm(dense, w.dense_norm, eps, trace, f"{name}.mlp_dense_norm")  # [B, T, D]
+    ids, weights = gemma4_router(x, w, k, eps, trace, f"{name}.moe")  # [B, T, k] each
+    h = rms_norm(x, w.in_norm, eps, trace, f"{name}.moe.in_norm")  # [B, T, D]
+    out = trace.record(f"{name}.moe.expert_out", "the j-th chosen expert's GeGLU MLP",
+                       chosen_expert_outputs(h, w.experts, ids, "gelu_tanh"),
+                       B * T * k * 3 * D * Fsz)  # [B, T, k, D]
+    y = trace.record(f"{name}.moe.out", "sum_j expert_weights_j * expert_out_j",
+                     (weights[..., None] * out).sum(dim=2), B * T * k * D)  # [B, T, D]
+    y = rms_norm(y, w.out_norm, eps, trace, f"{name}.moe.out_norm")  # [B, T, D]
+    return trace.record(f"{name}.mlp_sum", "mlp_dense_norm + moe.out_norm",
+                        dense + y)  # [B, T, D]
+
+
+
 def params_of_shapes(shapes: list[LayerShape], D: int, H: int) -> int:
     """Attention and MLP parameters of the layers (no norms), from shapes alone."""
     total = 0
@@ -285,8 +353,8 @@ def params_of_shapes(shapes: list[LayerShape], D: int, H: int) -> int:
     return total
 
 
-__all__ = ["REFUSED", "LayerShape", "PleWeights", "gemma4_attention", "kv_bytes_per_token",
-           "kv_sources", "layer_shapes", "layer_scaled", "own_kv", "params_of_shapes",
-           "per_layer_inputs",
-           "per_layer_residual", "proportional_cos_sin", "proportional_frequencies",
-           "refuse_unsupported", "softcap", "unit_rms_norm"]
+__all__ = ["REFUSED", "LayerShape", "MoeBranch", "PleWeights", "gemma4_attention",
+           "gemma4_router", "hf_moe_branch", "kv_bytes_per_token", "kv_sources",
+           "layer_scaled", "layer_shapes", "moe_branch", "own_kv", "params_of_shapes",
+           "per_layer_inputs", "per_layer_residual", "proportional_cos_sin",
+           "proportional_frequencies", "refuse_unsupported", "softcap", "unit_rms_norm"]
