@@ -39,9 +39,10 @@ TINY = dict(
     hidden_size_per_layer_input=8, num_kv_shared_layers=2, use_double_wide_mlp=True,
     layer_types=KINDS, final_logit_softcapping=3.0,  # small: the cap bites on tiny logits
     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                     # a base of 100: even the slowest pairs turn within 11 positions
                      "full_attention": {"rope_type": "proportional", "rope_theta": 100.0,
                                         "partial_rotary_factor": 0.5}})
-EPS = 1e-6  # (the full layers' RoPE base of 100 turns even their slow pairs in 11 positions)
+EPS = 1e-6
 PROMPT_LEN = 11  # past the window of 4
 
 
@@ -49,8 +50,7 @@ def tiny_hf(seed=0, **overrides):
     """HF's model on seeded random weights: norms and layer scalars away from 1, so that
     a norm's weight and the scalar count."""
     torch.manual_seed(seed)
-    hf = Gemma4ForCausalLM(Gemma4TextConfig(**{**TINY, **overrides}),
-                           ).eval()
+    hf = Gemma4ForCausalLM(Gemma4TextConfig(**{**TINY, **overrides})).eval()
     hf.config._attn_implementation = "eager"
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -117,8 +117,7 @@ def test_layer_shapes_match_hf_modules(hf):
     assert [(s.head_dim, s.n_kv_heads, s.ffn_size) for s in shapes] == [
         (8, 2, 48), (8, 2, 48), (16, 1, 48), (8, 2, 48), (8, 2, 96), (16, 1, 96)]
     # the published form of the keys: global_head_dim, no per_layer_config
-    raw = {k: v for k, v in {**TINY, "global_head_dim": 16}.items()}
-    assert layer_shapes(raw) == shapes
+    assert layer_shapes(TINY) == shapes
 
 
 def test_kv_bytes_and_params_from_shapes(hf):
@@ -180,27 +179,28 @@ def layer_weights(sd, i):
     return SimpleNamespace(**{f: sd.get(p + n) for f, n in names.items()})
 
 
-def positions(start, T, W=4, fraction=0.5, device=None):
+def positions(start, T, W=4, fraction=0.5, device=None, dims=(8, 16), full_theta=100.0):
     """Each kind's Positions: sliding layers 8-wide heads, RoPE base 1e4, the window; full
     layers 16-wide heads, RoPE on `fraction` of the pairs, base 100, no window."""
+    local, wide = dims
     p = torch.arange(start, start + T, device=device)
     S = start + T
     causal = causal_mask(T, S, start, device)
-    full = (proportional_cos_sin(p, 16, 100.0, fraction) if fraction < 1
-            else rope_cos_sin(p, 16, 100.0))
-    return {"sliding": Positions(start, *rope_cos_sin(p, 8, 1e4), causal,
+    full = (proportional_cos_sin(p, wide, full_theta, fraction) if fraction < 1
+            else rope_cos_sin(p, wide, full_theta))
+    return {"sliding": Positions(start, *rope_cos_sin(p, local, 1e4), causal,
                                  window_mask(T, S, start, W, device)),
             "full": Positions(start, *full, causal)}
 
 
 def lib_logits(sd, shapes, ids, start=0, caches=None, trace=NO_TRACE, off=(), fraction=0.5,
-               cap=3.0, k=2):
+               cap=3.0, k=2, H=4, **where):
     """Gemma4ForCausalLM from llmtrace's stages. off: pieces left out, for the controls;
     cap: final_logit_softcapping (None: none); k: experts per position, if the layers have
     experts."""
-    L, H = len(shapes), 4
+    L = len(shapes)
     offset = "norm_weight" in off  # Gemma 3's (1 + weight) in place of Gemma 4's weight
-    pos = positions(start, ids.shape[1], fraction=fraction, device=ids.device)
+    pos = positions(start, ids.shape[1], fraction=fraction, device=ids.device, **where)
     x = embed(ids, sd["model.embed_tokens.weight"], trace, scale=True)  # [B, T, D]
     if "model.embed_tokens_per_layer.weight" in sd:  # hidden_size_per_layer_input > 0
         ple = per_layer_inputs(ids, x, PleWeights(
@@ -440,6 +440,55 @@ def test_meta_shapes_equal_real_ones(model):
     assert by["layers.4.mlp.gate"] == (1, 1, 96)
     assert by["ple"] == (1, 1, 6, 8)
     assert "layers.4.attn.k_proj" not in by and "layers.3.attn.k_proj" in by
+
+
+# A text config of the shape reported for google/gemma-4-E2B: 35 layers, every 5th full, the
+# last 20 reading the K, V of layers 13 (sliding) and 14 (full); 1 KV head of 256 (sliding)
+# or 512 (full); a double-wide MLP on the shared layers; per-layer inputs of 256.
+E2B_SHAPE = dict(
+    vocab_size=262144, hidden_size=1536, intermediate_size=6144, num_hidden_layers=35,
+    num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512,
+    attention_k_eq_v=False, sliding_window=512, hidden_size_per_layer_input=256,
+    vocab_size_per_layer_input=262144, num_kv_shared_layers=20, use_double_wide_mlp=True,
+    final_logit_softcapping=30.0,
+    layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                     "full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
+                                        "partial_rotary_factor": 0.25}})
+
+
+def test_e2b_shape_on_meta():
+    """HF's class on meta with E2B's shape: the layers' parameters counted from the shapes
+    are HF's, the cache holds 15 layers' K, V (18432 bytes a token in bf16, against 43008
+    without sharing), and the library's pass makes its records on meta."""
+    with torch.device("meta"):
+        hf = Gemma4ForCausalLM(Gemma4TextConfig(**E2B_SHAPE))
+    shapes = layer_shapes(hf.config.to_dict())
+    assert shapes == layer_shapes(E2B_SHAPE)
+    src = [s.kv_source for s in shapes]
+    assert src[:15] == list(range(15))
+    assert src[15:] == [14 if i % 5 == 4 else 13 for i in range(15, 35)]
+    assert kv_bytes_per_token(shapes) == 2 * 2 * (12 * 256 + 3 * 512) == 18432
+    assert kv_bytes_per_token([dataclasses.replace(s, kv_source=i)
+                               for i, s in enumerate(shapes)]) == 43008
+    hf_count = sum(p.numel() for n, p in hf.model.layers.named_parameters()
+                   if n.endswith("proj.weight") and "per_layer" not in n)
+    assert params_of_shapes(shapes, 1536, 8) == hf_count
+    sd = dict(hf.state_dict())
+    T = 6
+    t = Trace(keep_values=False)
+    caches = [KVCache(T, s.n_kv_heads, s.head_dim, 1, "meta") if s.kv_source == i else None
+              for i, s in enumerate(shapes)]
+    logits = lib_logits(sd, shapes, torch.zeros(1, T, dtype=torch.long, device="meta"), 0,
+                        caches, t, fraction=0.25, cap=30.0, H=8, dims=(256, 512),
+                        full_theta=1e6, W=512)
+    assert logits.shape == (1, T, 262144)
+    by = {r.name: r.shape for r in t}
+    assert by["ple"] == (1, T, 35, 256)
+    assert by["layers.14.attn.q"] == (1, T, 8, 512) and by["layers.13.attn.k"] == (1, T, 1, 256)
+    assert by["layers.34.attn.kv_cache.k"] == (1, T, 1, 512)  # layer 14's
+    assert by["layers.15.mlp.gate"] == (1, T, 12288) and by["layers.14.mlp.gate"] == (1, T, 6144)
+    assert sum(n.endswith(".attn.k_proj") for n in by) == 15
 
 
 # --- the MoE variant --------------------------------------------------------------------------
