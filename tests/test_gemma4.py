@@ -133,13 +133,25 @@ def test_kv_bytes_and_params_from_shapes(hf):
 
 
 def test_refusals():
-    for key, value in (("vision_config", {"hidden_size": 8}),
-                       ("audio_config", {"hidden_size": 8}),
-                       ("use_bidirectional_attention", "vision")):
-        with pytest.raises(LlmTraceError, match=rf"^cfg: {key}=.* is not implemented for "
-                                                r"Gemma 4"):
-            refuse_unsupported({**TINY, key: value}, "cfg")
-    refuse_unsupported({**TINY, **MOE, "vision_config": None}, "cfg")  # the MoE is computed
+    for key in ("vision_config", "audio_config"):
+        with pytest.raises(LlmTraceError, match=rf"^cfg: {key} \(the .* tower .*\) is not "
+                                                r"implemented for Gemma 4, only its text model"):
+            refuse_unsupported({"text_config": TINY, key: {"hidden_size": 8}}, "cfg")
+    with pytest.raises(LlmTraceError, match=r"^cfg: use_bidirectional_attention='all' "):
+        refuse_unsupported({**TINY, "use_bidirectional_attention": "all"}, "cfg")
+    # computed: the MoE, and 'vision', which leaves a text prompt causal (HF's Gemma4Model)
+    refuse_unsupported({**TINY, **MOE, "vision_config": None,
+                        "use_bidirectional_attention": "vision"}, "cfg")
+
+
+def test_bidirectional_vision_leaves_text_causal(model):
+    """use_bidirectional_attention='vision' changes nothing for text: HF's model with it
+    gives the library's logits, computed causally."""
+    _, sd, shapes = model
+    ids = ids_of()
+    with torch.no_grad():
+        ref = hf_logits(tiny_hf(use_bidirectional_attention="vision"), ids)
+        assert (lib_logits(sd, shapes, ids) - ref).abs().max() < 1e-4
 
 
 # --- RoPE on part of each head ----------------------------------------------------------------

@@ -37,12 +37,15 @@ from .norm import rms_norm
 from .rope import apply_rope
 from .trace import NO_TRACE
 
-# HF config keys of parts computed nowhere here, and why (config key -> what it would add)
+# HF config keys of parts computed nowhere here, and what each would add. The multimodal
+# checkpoints (model_type "gemma4") hold the text model under `model.language_model.`, the towers
+# under `model.vision_tower.`, `model.audio_tower.`, `model.embed_vision.`, `model.embed_audio.`.
 REFUSED = {
-    "use_bidirectional_attention": "attention over later tokens too",
     "vision_config": "the vision tower (images to soft tokens)",
     "audio_config": "the audio tower (sound to soft tokens)",
 }
+# use_bidirectional_attention: "vision" lets image tokens see each other, and leaves text causal
+# (a text prompt computes as without it); "all" makes every token see later ones: refused.
 
 
 def refuse_unsupported(c: dict, where: str) -> None:
@@ -50,9 +53,13 @@ def refuse_unsupported(c: dict, where: str) -> None:
     `gemma4` config with its towers) whose part is not computed here."""
     for key, what in REFUSED.items():
         if c.get(key):
-            raise LlmTraceError(f"{where}: {key}={c[key]!r} ({what}) is not implemented for "
-                                f"Gemma 4: only its text model is; remove the key, or use "
-                                f"the text_config of a model without it")
+            raise LlmTraceError(f"{where}: {key} ({what}) is not implemented for Gemma 4, "
+                                f"only its text model: use the text_config alone, with the "
+                                f"weights under model.language_model.")
+    if c.get("use_bidirectional_attention") == "all":
+        raise LlmTraceError(f"{where}: use_bidirectional_attention='all' (every token sees "
+                            f"the later ones too) is not implemented for Gemma 4: only "
+                            f"causal attention is (None, or 'vision' for a text prompt)")
 
 
 # --- which layer computes which K, V ------------------------------------------------------------
