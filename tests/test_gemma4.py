@@ -22,7 +22,8 @@ from llmtrace.gemma4 import (PleWeights, gemma4_attention, gemma4_router, hf_moe
                              kv_bytes_per_token, kv_sources, layer_scaled, layer_shapes,
                              moe_branch, params_of_shapes,
                              per_layer_inputs, per_layer_residual, proportional_cos_sin,
-                             proportional_frequencies, refuse_unsupported, softcap)
+                             proportional_frequencies, refuse_unsupported, rope_settings,
+                             softcap)
 from llmtrace.kv_cache import KVCache
 from llmtrace.mlp import swiglu
 from llmtrace.norm import rms_norm
@@ -172,6 +173,21 @@ def test_proportional_rope_matches_hf(hf):
     cos, sin = rot(x, pos[None], "sliding_attention")
     plain = rope_cos_sin(pos, 8, 1e4)
     assert (plain[0] - cos[0]).abs().max() < TOL and (plain[1] - sin[0]).abs().max() < TOL
+
+
+def test_rope_settings_read_and_refused(hf):
+    assert rope_settings(hf_dict(hf)) == {"sliding": (1e4, 1.0), "full": (100.0, 0.5)}
+    assert rope_settings(E2B_SHAPE) == {"sliding": (1e4, 1.0), "full": (1e6, 0.25)}
+    full = TINY["rope_parameters"]["full_attention"]
+    for bad, match in (({**full, "factor": 8.0}, r"full_attention\.factor=8\.0 is not"),
+                       ({**full, "rope_type": "yarn"}, r"full_attention\.rope_type='yarn'"),
+                       ({"rope_type": "default", "rope_theta": 1e4,
+                         "partial_rotary_factor": 0.5}, r"full_attention\.partial_rotary")):
+        c = {**TINY, "rope_parameters": {**TINY["rope_parameters"], "full_attention": bad}}
+        with pytest.raises(LlmTraceError, match=match):
+            rope_settings(c)
+    with pytest.raises(LlmTraceError, match=r"layer_types must list .* got 'chunked'"):
+        layer_shapes({**TINY, "layer_types": ["chunked_attention"] * 6})
 
 
 # --- the library's composition ----------------------------------------------------------------

@@ -63,16 +63,26 @@ def refuse_unsupported(c: dict, where: str) -> None:
 
 
 # --- which layer computes which K, V ------------------------------------------------------------
+def layer_kinds(layer_types) -> list[str]:
+    """"sliding" or "full" per layer, from HF's "sliding_attention", "full_attention"."""
+    kinds = [t.removesuffix("_attention") for t in layer_types]
+    wrong = sorted(set(kinds) - {"sliding", "full"})
+    if wrong:
+        raise LlmTraceError(f"layer_types must list 'sliding_attention' or 'full_attention' "
+                            f"for each layer, got {wrong[0]!r}")
+    return kinds
+
+
 def kv_sources(layer_types, n_shared: int) -> tuple[int, ...]:
     """Layer i -> the layer whose K and V it attends over: itself, except the last n_shared
     layers, which read the last earlier layer of their own kind (as HF's `kv_sharing_modes`:
     those source layers "store", the shared ones "reuse"). layer_types: "sliding" or "full"
     per layer (HF's "sliding_attention", "full_attention" are read too)."""
-    kinds = [t.split("_")[0] for t in layer_types]
-    first = len(kinds) - n_shared  # the first layer that computes no K, V
+    kinds = layer_kinds(layer_types)
     if not 0 <= n_shared < len(kinds):
         raise LlmTraceError(f"num_kv_shared_layers={n_shared} must be at least 0 and below "
                             f"the {len(kinds)} layers: some layer must compute K and V")
+    first = len(kinds) - n_shared  # the first layer that computes no K, V
     sources = list(range(first))
     for kind in kinds[first:]:
         own = [j for j in range(first) if kinds[j] == kind]
@@ -98,8 +108,7 @@ def layer_shapes(c: dict) -> list[LayerShape]:
     """Each layer's shape from an HF Gemma4TextConfig's dict (config.json's keys): full
     layers take `global_head_dim` and `num_global_key_value_heads` (only if attention_k_eq_v),
     or, as save_pretrained writes them, `per_layer_config` {layer: {head_dim, ...}}."""
-    n, types = c["num_hidden_layers"], c["layer_types"]
-    kinds = [t.split("_")[0] for t in types]
+    n, kinds = c["num_hidden_layers"], layer_kinds(c["layer_types"])
     sources = kv_sources(kinds, c.get("num_kv_shared_layers", 0))
     k_eq_v = bool(c.get("attention_k_eq_v", False))
     full = {"head_dim": c.get("global_head_dim", 512)}
@@ -126,6 +135,32 @@ def kv_bytes_per_token(shapes: list[LayerShape], dtype_bytes: int = 2) -> int:
 
 
 # --- RoPE on part of each head ----------------------------------------------------------------
+ROPE_TYPES = {"sliding": ("default",), "full": ("default", "proportional")}
+
+
+def rope_settings(c: dict) -> dict[str, tuple[float, float]]:
+    """{kind: (theta, fraction)} from an HF Gemma 4 config's `rope_parameters` (one dict per
+    layer kind): the RoPE base, and the part of each head's pairs that turns (1 on the
+    sliding layers, `partial_rotary_factor` on the full ones). What else a dict may say
+    (a `factor` other than 1, another rope_type) is refused by its key."""
+    out = {}
+    for kind in dict.fromkeys(layer_kinds(c["layer_types"])):
+        r = dict(c["rope_parameters"][f"{kind}_attention"])
+        where = f"rope_parameters.{kind}_attention"
+        if r.get("rope_type", "default") not in ROPE_TYPES[kind]:
+            raise LlmTraceError(f"{where}.rope_type={r['rope_type']!r} is not implemented: "
+                                f"known are {', '.join(ROPE_TYPES[kind])}")
+        partial = r.get("rope_type") == "proportional"  # HF's default type ignores the key
+        known = {"rope_type", "rope_theta", *(("partial_rotary_factor",) if partial else ()),
+                 *(("factor",) if r.get("factor", 1.0) == 1.0 else ())}
+        extra = sorted(set(r) - known)
+        if extra:
+            raise LlmTraceError(f"{where}.{extra[0]}={r[extra[0]]!r} is not implemented "
+                                f"for Gemma 4's RoPE here: remove it")
+        out[kind] = (float(r["rope_theta"]), float(r.get("partial_rotary_factor", 1.0)))
+    return out
+
+
 def proportional_frequencies(head_dim: int, theta: float, fraction: float,
                              device=None) -> torch.Tensor:
     """[head_dim/2]: the first int(fraction * head_dim/2) pairs turn at theta^(-2i/head_dim),
@@ -361,7 +396,8 @@ def params_of_shapes(shapes: list[LayerShape], D: int, H: int) -> int:
 
 
 __all__ = ["REFUSED", "LayerShape", "MoeBranch", "PleWeights", "gemma4_attention",
-           "gemma4_router", "hf_moe_branch", "kv_bytes_per_token", "kv_sources",
+           "gemma4_router", "hf_moe_branch", "kv_bytes_per_token", "kv_sources", "layer_kinds",
            "layer_scaled", "layer_shapes", "moe_branch", "own_kv", "params_of_shapes",
            "per_layer_inputs", "per_layer_residual", "proportional_cos_sin",
-           "proportional_frequencies", "refuse_unsupported", "softcap", "unit_rms_norm"]
+           "proportional_frequencies", "refuse_unsupported", "rope_settings", "softcap",
+           "unit_rms_norm"]
