@@ -27,7 +27,7 @@ from llmtrace.gemma4 import (PleWeights, gemma4_attention, gemma4_router, hf_moe
 from llmtrace.kv_cache import KVCache
 from llmtrace.mlp import swiglu
 from llmtrace.norm import rms_norm
-from llmtrace.rope import rope_cos_sin
+from llmtrace.rope import apply_rope, rope_cos_sin
 from llmtrace.trace import NO_TRACE, Trace
 
 TOL = 1e-5
@@ -173,6 +173,20 @@ def test_proportional_rope_matches_hf(hf):
     cos, sin = rot(x, pos[None], "sliding_attention")
     plain = rope_cos_sin(pos, 8, 1e4)
     assert (plain[0] - cos[0]).abs().max() < TOL and (plain[1] - sin[0]).abs().max() < TOL
+
+
+def test_proportional_rope_is_not_the_first_dims_turning():
+    """Gemma 4 turns dims 0..3 with 8..11 of a 16-wide head (pairs across the whole head,
+    frequencies over 16) and leaves 4..7, 12..15 as they are; turning the first 8 dims as a
+    head of their own (pairs (d, d+4), frequencies over 8: Qwen3-Next's partial RoPE)
+    moves other dims by other angles."""
+    torch.manual_seed(6)
+    x, pos = torch.randn(1, 5, 2, 16), torch.arange(5)
+    gemma = apply_rope(x, *proportional_cos_sin(pos, 16, 100.0, 0.5))
+    moved = (gemma - x).abs().amax(dim=(0, 1, 2)) > 0  # [16]
+    assert moved.tolist() == ([True] * 4 + [False] * 4) * 2
+    first = torch.cat([apply_rope(x[..., :8], *rope_cos_sin(pos, 8, 100.0)), x[..., 8:]], -1)
+    assert (first - gemma).abs().max() > 100 * TOL
 
 
 def test_rope_settings_read_and_refused(hf):
