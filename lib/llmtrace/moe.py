@@ -42,7 +42,7 @@ from .mlp import swiglu
 from .trace import NO_TRACE
 
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group")
-ACTS = ("silu", "gpt_oss")
+ACTS = ("silu", "gpt_oss", "gelu_tanh")
 
 
 @dataclass
@@ -146,6 +146,8 @@ def expert_mlp(x, w: MoeWeights, e: int, act: str = "silu", limit: float = 7.0,
     up = F.linear(x, w.up[e], _row(w.up_bias, e))  # [N, F]
     if act == "gpt_oss":
         gated = gpt_oss_glu(gate, up, limit, alpha)  # [N, F]
+    elif act == "gelu_tanh":  # GeGLU (Gemma 4's experts), as the dense MLP's
+        gated = F.gelu(gate, approximate="tanh") * up  # [N, F]
     else:  # SwiGLU, as the dense MLP
         gated = F.silu(gate) * up  # [N, F]
     return F.linear(gated, w.down[e], _row(w.down_bias, e))  # [N, D]
@@ -199,7 +201,7 @@ def moe_mlp(x, w: MoeWeights, k: int, router: str = "softmax_topk",
             "sigmoid_group": f"their router_scores (no bias){sums}"}[router]
     what += f", x {scaling:g}" if scaling != 1.0 else ""
     weights = trace.record(f"{name}.expert_weights", what, weights)  # [B, T, k]
-    mlp = "SwiGLU" if act == "silu" else "gpt-oss GLU"
+    mlp = {"silu": "SwiGLU", "gelu_tanh": "GeGLU"}.get(act, "gpt-oss GLU")
     out = trace.record(f"{name}.expert_out", f"the j-th chosen expert's {mlp} MLP",
                        chosen_expert_outputs(x, w, ids, act, limit, alpha),
                        B * T * k * 3 * D * Fsz)  # [B, T, k, D]
