@@ -501,3 +501,17 @@ def test_the_layers_of_the_grouped_projection():
     assert q_rows[1, 0] == group  # key head 1's q starts the second group
     v_rows = flat[2 * HK * DK:2 * HK * DK + HV * DV].view(HV, DV)
     assert v_rows[r, 0] == group + 2 * DK  # value head r: the first of group 1's
+
+
+def test_a_prompt_in_two_passes_is_the_prompt_in_one(hf_layer):
+    """The state carries the conv's inputs and S across passes: 5 then 4 tokens (chunked,
+    each from the state the last left) give the 9 tokens' outputs and state of one pass."""
+    x, w = inputs(PROMPT), ours(hf_layer)
+    one, two = DeltaNetState(DIMS, B), DeltaNetState(DIMS, B)
+    with torch.no_grad():
+        whole = gated_deltanet(x, w, DIMS, one, chunk=CHUNK)
+        parts = torch.cat([gated_deltanet(x[:, :5], w, DIMS, two, chunk=CHUNK),
+                           gated_deltanet(x[:, 5:], w, DIMS, two, chunk=CHUNK)], 1)
+    assert (whole - parts).abs().max() < TOL
+    assert (one.recurrent - two.recurrent).abs().max() < TOL
+    assert (one.conv - two.conv).abs().max() < 1e-6  # the last 3 inputs, either way
