@@ -247,11 +247,22 @@ def test_records_on_meta_match_the_real_run(hf_layer):
     assert real.shape("attn.qkvz") == (B, 12, 2 * HK * DK + 2 * HV * DV)
     assert real.shape("attn.q") == (B, 12, HK, DK) and real.shape("attn.v") == (B, 12, HV, DV)
     assert real.shape("attn.g") == real.shape("attn.beta") == (B, 12, HV)
+    # the rule's cost by hand: 3 chunks of 4 (k k^T, q k^T; the solve; (D q k^T) u; k S,
+    # q S, k^T u), and one token's S^T k, k delta^T, S^T q
+    per_chunk = 2 * 16 * DK + 6 * DV + 16 * DV + 3 * 4 * DK * DV
+    assert real.get("attn.core").macs == B * HV * 3 * per_chunk
+    step = Trace()
+    with torch.no_grad():
+        gated_deltanet(x[:, :1], w, DIMS, None, step)
+    assert step.get("attn.core").macs == B * HV * 3 * DK * DV
+    assert step.get("attn.qkvz").macs == B * D * (2 * HK * DK + 2 * HV * DV)
 
 
 def test_bad_input_is_refused_by_name(hf_layer):
     with pytest.raises(LlmTraceError, match="mode must be one of chunked, recurrent"):
         gated_deltanet(inputs(), ours(hf_layer), DIMS, mode="parallel")
+    with pytest.raises(LlmTraceError, match="chunk .* must be a whole number of 1 or more"):
+        gated_deltanet(inputs(), ours(hf_layer), DIMS, chunk=0)
     with pytest.raises(LlmTraceError, match=r"linear_num_value_heads \(3\) must be a multiple"):
         DeltaNetDims(2, 3, 16, 16, 4).check()
     with pytest.raises(LlmTraceError, match="no Gated DeltaNet weight names for model_type"):

@@ -215,6 +215,9 @@ def gated_deltanet(x, w: DeltaNetWeights, dims: DeltaNetDims,
     if mode not in MODES:
         raise LlmTraceError(f"mode must be one of {', '.join(MODES)}, "
                             f"got {mode!r}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise LlmTraceError(f"chunk (tokens per chunk) must be a whole number of 1 "
+                            f"or more, got {chunk!r}")
 
     rows = 2 * d.key_dim + 2 * d.value_dim
     qkvz = trace.record(f"{name}.qkvz", "x @ W_qkvz^T", F.linear(x, w.qkvz),
