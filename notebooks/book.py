@@ -178,7 +178,8 @@ _RUNNING: list = [None]  # the config of the model `start_chapter` loaded: its l
 # How library code reads a switch other than as `config.<switch>`: the config field it stands
 # for, and the value it holds in a run that leaves that field at its default (Llama 2's)
 _SWITCH_ATTRS = {"pos.base": ("layer_types", 0.0), "pos.local": ("layer_types", None),
-                 "pos.window": ("sliding_window", None), "pos.rope": ("no_rope_layers", True)}
+                 "pos.window": ("sliding_window", None), "pos.rope": ("no_rope_layers", True),
+                 "pos.rotary_dim": ("partial_rotary_factor", None)}
 _SWITCH_NAMES = {  # per function: its parameters and locals that carry a switch
     "rms_norm": {"offset": ("norm_offset", False)},
     "embed": {"scale": ("embed_scale", False)},
@@ -186,6 +187,8 @@ _SWITCH_NAMES = {  # per function: its parameters and locals that carry a switch
                "sinks": ("attn_sinks", None)},
     "rope_frequencies": {"scaling": ("rope_scaling", ())},
     "rope_cos_sin": {"scaling": ("rope_scaling", ())},
+    "apply_rope": {"rotary_dim": ("partial_rotary_factor", None)},
+    "attention": {"output_gate": ("attn_output_gate", False)},
     "swiglu": {"act": ("mlp_act", "silu")},
     "block": {"off": ("norm_offset", False)},
 }
@@ -343,6 +346,9 @@ def abridge(code: str, config, fn: str) -> tuple[str, int]:
             shift = kept[0].col_offset - node.col_offset if kept else 0
             text = block_text(kept, shift) if kept else ""
             n_gone = node.end_lineno - first + 1 - (text.count("\n"))
+            if text:  # the kept body's own switches (an argument inside it) go too
+                text, nested = abridge(text, config, fn)
+                n_gone += nested
             note = (f"{pad}# ... {n_gone} line{'s' * (n_gone != 1)} other families run "
                     f"here: chapter 16\n")
             edits.append((a, b, note + text if not value else text + note, n_gone))

@@ -92,8 +92,9 @@ def test_the_llama_listing_says_where_the_lines_went(llama):
     code, gone = listing(attention, llama)
     notes = [line.strip() for line in code.splitlines() if "other families" in line]
     assert notes == [f"# ... {n} lines other families run here: chapter 16"
-                     for n in (7, 5, 2, 6)]
-    assert gone == 20
+                     for n in (8, 7, 5, 2, 6, 3)]
+    assert gone == 32
+    assert "output_gate" not in code and "rotary_dim" not in code  # inside `if pos.rope`
     assert "if config.qkv_bias" in source(attention)  # ... which the library has
 
 
@@ -111,7 +112,8 @@ def test_a_docstring_loses_only_the_other_familys_sentences():
 @pytest.mark.parametrize("fn", LISTED, ids=lambda f: f.__qualname__)
 def test_a_gemma_listing_keeps_its_switches(fn, gemma):
     """Every line of a switch Gemma 3 sets stays; only what it lacks goes (Qwen2's bias,
-    Llama 3's RoPE scaling, gpt-oss's sinks, SmolLM3's layers without RoPE)."""
+    Llama 3's RoPE scaling, gpt-oss's sinks, SmolLM3's layers without RoPE, Qwen3-Next's
+    output gate and partial RoPE)."""
     code, gone = listing(fn, gemma)
     src = source(fn)
     assert OTHERS.search(src), f"{fn.__qualname__} reads no switch: it needs no abridging"
@@ -121,8 +123,9 @@ def test_a_gemma_listing_keeps_its_switches(fn, gemma):
     if fn is not attention:
         assert gone == 0 and code == src
         return
-    assert gone == 13 and "qkv_bias" not in code and "rope_scaling" not in code
+    assert gone == 25 and "qkv_bias" not in code and "rope_scaling" not in code
     assert "pos.rope" not in code and "no RoPE" not in code
+    assert "output_gate" not in code and "rotary_dim" not in code  # Qwen3-Next's
     for line in src.splitlines():
         if any(s in line for s in ("qk_norm", "pos.base", "norm_offset", "attn_scale")):
             assert line in code.splitlines(), line

@@ -57,6 +57,7 @@ class Positions:
     base: float = 0.0  # the RoPE base, said in the trace when layers differ in it (Gemma 3)
     local: "Positions | None" = None  # Gemma 3's sliding layers: their window and RoPE base
     rope: bool = True  # False on a layer without RoPE (SmolLM3's NoPE layers): q, k as projected
+    rotary_dim: int | None = None  # RoPE on the first rotary_dim of each head (Qwen3-Next)
 
     @classmethod
     def of(cls, start: int, T: int, config, device=None) -> "Positions":
@@ -132,15 +133,25 @@ def sink_softmax(scores, sinks, trace=NO_TRACE, name="attn"):
                         both[..., :S])  # [B, H, T, S]
 
 
-def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="attn"):
+def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="attn",
+              output_gate=False):
     """x [B, T, D] -> [B, T, D]. pos: this pass's positions (`Positions`); cache: this
-    layer's `KVCache`, or None to attend over this pass's own positions only."""
+    layer's `KVCache`, or None to attend over this pass's own positions only.
+    output_gate: W_q gives each head its query and a gate (Qwen3-Next)."""
     B, T, D = x.shape
     H, KV, hd = config.n_heads, config.n_kv_heads, config.head_dim
 
     # Projections: Q for every query head, K and V for the (fewer) KV heads.
-    q = trace.record(f"{name}.q_proj", "x @ W_q^T", F.linear(x, w.q_proj),
-                     B * T * D * H * hd)  # [B, T, H*hd]
+    if output_gate:  # Qwen3-Next: each head's 2*hd rows of W_q: its query, its gate
+        qg = trace.record(f"{name}.q_proj", "x @ W_q^T: per head, query then gate",
+                          F.linear(x, w.q_proj), B * T * D * 2 * H * hd)  # [B,T,2H*hd]
+        qg = qg.view(B, T, H, 2 * hd)  # [B, T, H, 2*hd]
+        gate = trace.record(f"{name}.gate", "second half of each head's q_proj",
+                            qg[..., hd:])  # [B, T, H, hd]
+        q = qg[..., :hd].reshape(B, T, H * hd)  # [B, T, H*hd]
+    else:
+        q = trace.record(f"{name}.q_proj", "x @ W_q^T", F.linear(x, w.q_proj),
+                         B * T * D * H * hd)  # [B, T, H*hd]
     k = trace.record(f"{name}.k_proj", "x @ W_k^T", F.linear(x, w.k_proj),
                      B * T * D * KV * hd)  # [B, T, KV*hd]
     v = trace.record(f"{name}.v_proj", "x @ W_v^T", F.linear(x, w.v_proj),
@@ -171,9 +182,9 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
         freq += f" (base {pos.base:g})"
     if pos.rope:
         q = apply_rope(q, pos.cos, pos.sin, trace,
-                       f"{name}.rope_q", freq)  # [B, T, H, hd]
+                       f"{name}.rope_q", freq, pos.rotary_dim)  # [B, T, H, hd]
         k = apply_rope(k, pos.cos, pos.sin, trace,
-                       f"{name}.rope_k", freq)  # [B, T, KV, hd]
+                       f"{name}.rope_k", freq, pos.rotary_dim)  # [B, T, KV, hd]
     else:  # SmolLM3's NoPE layers: the same records, q and k unturned
         q = trace.record(f"{name}.rope_q", "no RoPE on this layer: q unturned",
                          q)  # [B, T, H, hd]
@@ -204,6 +215,9 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
     out = attend(q, k_exp, v_exp, pos.mask, trace, name, start, pos.window,
                  config.attn_scale)  # [B, H, T, hd]
 
+    if output_gate:  # Qwen3-Next: each head's output times the sigmoid of its gate
+        out = trace.record(f"{name}.output_gate", "weighted_sum * sigmoid(gate)",
+                           out * torch.sigmoid(gate).transpose(1, 2))  # [B, H, T, hd]
     out = out.transpose(1, 2).reshape(B, T, H * hd)  # [B, T, H*hd]
     out = trace.record(f"{name}.merged", "heads back side by side", out)
     out = F.linear(out, w.o_proj)  # [B, T, D]

@@ -37,3 +37,10 @@ class KVCache:
     def nbytes(self) -> int:
         """Memory this layer's cache holds at full length (on the meta device, what it would)."""
         return self.k.numel() * self.k.element_size() * 2
+
+
+def bytes_per_token(n_kv_heads: int, head_dim: int, batch: int = 1,
+                    bytes_per_value: int = 4) -> int:
+    """Bytes one layer's cache grows by with each position: K and V of every KV head. A
+    DeltaNet layer's state does not grow (`deltanet.state_bytes`)."""
+    return batch * 2 * n_kv_heads * head_dim * bytes_per_value

@@ -130,10 +130,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, trace=NO_TRACE,
-               name: str = "rope", freq: str = "freq") -> torch.Tensor:
+               name: str = "rope", freq: str = "freq",
+               rotary_dim: int | None = None) -> torch.Tensor:
     """x: [B, T, n_heads, head_dim]. Rotates each pair (x[d], x[d+half]) by its angle:
     x[d]      -> x[d] cos - x[d+half] sin
     x[d+half] -> x[d+half] cos + x[d] sin"""
+    # Qwen3-Next: only the first rotary_dim of each head turn (None: the whole head)
+    if rotary_dim is not None and rotary_dim < x.shape[-1]:  # cos, sin [T, rotary_dim]
+        turned = apply_rope(x[..., :rotary_dim], cos, sin)  # [B, T, n_heads, rotary_dim]
+        out = torch.cat([turned, x[..., rotary_dim:]], dim=-1)  # the rest as it came
+        what = (f"rotate pairs (d, d+{rotary_dim // 2}) of the first {rotary_dim} dims by "
+                f"position * {freq}, the other {x.shape[-1] - rotary_dim} unturned")
+        return trace.record(name, what, out)
     # [T, 1, head_dim] each: the same angle for every head
     cos, sin = cos[:, None, :], sin[:, None, :]
     out = x * cos + rotate_half(x) * sin  # [B, T, n_heads, head_dim]
