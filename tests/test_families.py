@@ -128,9 +128,9 @@ def test_config_round_trip_through_hf(f):
 def test_configs_hf_cannot_compute_are_refused():
     with pytest.raises(LlmTraceError, match=r"rope_scaling=\{'rope_type': 'yarn'.* is not Llama"):
         Config.from_name("llama-3.2-1b").replace(rope_scaling={"rope_type": "yarn"})
-    with pytest.raises(LlmTraceError, match="is not what HF's LlamaForCausalLM computes"):
+    with pytest.raises(LlmTraceError, match="qk_norm=True set with family 'llama': HF's LlamaForCausalLM does not"):
         Config.from_name("tinyllama").replace(qk_norm=True).to_hf()
-    with pytest.raises(LlmTraceError, match="sliding_window=8 with family 'qwen3'"):
+    with pytest.raises(LlmTraceError, match="sliding_window=8 set with family 'qwen3'"):
         Config.from_name("qwen3-0.6b").replace(sliding_window=8).to_hf()
 
 

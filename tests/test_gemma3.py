@@ -10,7 +10,8 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from llmtrace import generate, load_model
-from llmtrace.config import Config, expected_shapes
+from llmtrace.config import Config
+from llmtrace.weights.names import expected_shapes
 from llmtrace.cost import parameter_count
 from llmtrace.errors import LlmTraceError
 from llmtrace.model import Model, estimate_trace_bytes, trace_bytes, trace_shapes
@@ -206,7 +207,7 @@ def test_what_is_not_computed_is_refused(change, says):
 
 
 @pytest.mark.parametrize("preset, change, says", [
-    ("tinyllama", {"norm_offset": True}, "norm_offset set with family 'llama'"),
+    ("tinyllama", {"norm_offset": True}, "norm_offset=True set with family 'llama'"),
     ("gemma-3-270m", {"embed_scale": False}, "Gemma3ForCausalLM always computes"),
 ])
 def test_to_hf_writes_gemma_switches_only_as_gemma(preset, change, says):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .attention import Positions, attention
 from .check import check_ids
-from .config import LAYER_TENSORS, MODEL_TENSORS, Config, expected_shapes, hf_name
+from .config import Config
 from .embed import embed
 from .errors import LlmTraceError
 from .kv_cache import KVCache
@@ -23,6 +23,7 @@ from .memory import check_budget, keep_freed_memory_if_asked, needs_estimate
 from .mlp import swiglu
 from .norm import rms_norm
 from .trace import NO_TRACE, Patched, Trace
+from .weights.names import LAYER_TENSORS, MODEL_TENSORS, expected_shapes, hf_name
 
 
 @dataclass
