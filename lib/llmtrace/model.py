@@ -254,23 +254,24 @@ BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "bool": 1}
 
 
 def estimate_trace_bytes(config: Config, T: int, S: int | None = None) -> int:
-    """Bytes of a trace that keeps every value, for T new positions attending to S (default T),
-    counted from the records a layer makes (fp32): what grows with T (projections, norms, the
-    MLP's four [T, F] tensors), with S (the cache and its expanded K, V) and with T x S (scores,
-    mask, masked scores, weights: the part that makes long prompts expensive). A test holds it
-    equal to the count `trace_bytes` makes from a meta pass, and to a real trace's."""
+    """Bytes of a trace that keeps every value, for T new positions attending to S (default T):
+    the records of a shapes-only pass on the meta device of one layer of each kind (each layer
+    records the shapes of its kind; Gemma 3 has two), each layer's counted once per layer it
+    stands for, and the records outside the layers once. Whatever a switch adds to the trace is
+    counted because the pass records it. A test holds it equal to a real trace's bytes."""
     S = T if S is None else S
-    D, F, V = config.hidden_size, config.ffn_size, config.vocab_size
-    q, kv, H = config.n_heads * config.head_dim, config.kv_size, config.n_heads
-    per_layer = (T * (6 * D + 5 * q + 5 * kv + 4 * F + 2) + S * 2 * (kv + q)
-                 + T * S * (3 * H + 1))
-    per_layer += (T * (q + 2 * kv) * config.qkv_bias  # the biased projections
-                  + T * (q + kv + H + config.n_kv_heads) * config.qk_norm  # norms, mean_sq
-                  + 2 * T * (D + 1) * config.sandwich_norm)  # Gemma's norms after sublayers
-    windows = sum(map(config.is_sliding, range(config.n_layers)))  # layers with a window mask
-    outside = T * (2 * D + 1 + V) + 2 * T  # embed, final norm, lm_head; int64 token ids
-    outside += T * D * config.embed_scale  # Gemma's scaled embedding
-    return 4 * (config.n_layers * per_layer + windows * T * S + outside)
+    kinds = tuple(dict.fromkeys(config.layer_types))  # () when every layer is alike
+    one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds,
+                                    max_positions=max(config.max_positions, S)))  # a bound
+    copies = [config.layer_types.count(kind) for kind in kinds] or [config.n_layers]
+    trace = Trace(keep_values=False)
+    one.forward(torch.zeros(1, T, dtype=torch.long), trace, one.new_cache(S), start=S - T)
+    total = 0
+    for r in trace:
+        layer = int(r.name.split(".")[1]) if r.name.startswith("layers.") else None
+        total += BYTES.get(r.dtype, 4) * math.prod(r.shape) * (
+            1 if layer is None else copies[layer])
+    return total
 
 
 def trace_bytes(config: Config, trace: Trace, T: int, decode_steps: int = 0) -> int:
