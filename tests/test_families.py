@@ -1,9 +1,10 @@
-"""Today's families against Hugging Face transformers, on tiny random-weight checkpoints made at test
-time by HF's own config and model classes (`tiny_checkpoint.FAMILIES`): Llama 3 (llama3 RoPE
-scaling), Mistral (sliding window 4), Qwen2 (bias on Q, K, V), Qwen3 (QK-norm, head_dim 24 with
-hidden 64 over 4 heads). Each is loaded by llmtrace's own loader; its logits must match HF's eager
-forward within 1e-4, for a prefill of 11 tokens (past the window) and for greedy decode steps that
-read the KV cache. Each switch must matter: turned off, the logits move far more than that."""
+"""Every family against Hugging Face transformers, on tiny random-weight checkpoints made at test
+time by HF's own config and model classes, one row each (`tiny_checkpoint.ROWS`): Llama 3 (llama3
+RoPE scaling), Mistral (sliding window 4), Qwen2 (bias on Q, K, V), Qwen3 (QK-norm, head_dim 24
+with hidden 64 over 4 heads), Gemma 3 (local and global layers)... Each is loaded by llmtrace's own
+loader; its logits must match HF's eager forward within 1e-4, for a prefill of 11 tokens (past the
+window) and for greedy decode steps that read the KV cache. Each switch must matter: turned off,
+the logits move far more than that."""
 
 import pytest
 import torch
@@ -14,19 +15,11 @@ from llmtrace.attention import causal_mask, window_mask
 from llmtrace.model import Model, estimate_trace_bytes, trace_bytes
 from llmtrace.rope import rope_frequencies
 from llmtrace.trace import Trace
-from tiny_checkpoint import FAMILIES, make_tiny_checkpoint
+from tiny_checkpoint import ROWS, hf_config, make_tiny_checkpoint
 
 TOL = 1e-4
 T, STEPS = 11, 5  # prompt length (past the window of 4) and decode steps
-# family -> (the switch turned off, the records only this family's trace has)
-SWITCH = {
-    "llama3": ({"rope_scaling": ()}, set()),
-    "mistral": ({"sliding_window": 0}, {"attn.window_mask"}),
-    "qwen2": ({"qkv_bias": False}, {"attn.q_bias", "attn.k_bias", "attn.v_bias"}),
-    "qwen3": ({"qk_norm": False}, {"attn.q_norm.mean_sq", "attn.q_norm",
-                                   "attn.k_norm.mean_sq", "attn.k_norm"}),
-}
-NEW = [f for f in FAMILIES if f != "llama"]
+NEW = [f for f in ROWS if f != "llama"]
 
 
 @pytest.fixture(scope="module", params=NEW)
@@ -36,7 +29,7 @@ def family(request, tmp_path_factory):
     d = make_tiny_checkpoint(tmp_path_factory.mktemp(f) / f"tiny-{f}", family=f)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         d, attn_implementation="eager", dtype=torch.float32).eval()
-    assert type(hf).__name__ == FAMILIES[f][1]
+    assert type(hf).__name__ == ROWS[f].model_class
     ids = torch.randint(3, 32000, (1, T), generator=torch.Generator().manual_seed(5))
     return f, load_model(d), hf, ids
 
@@ -51,8 +44,9 @@ def test_prefill_matches_hf(family):
     ours, _ = model.run(ids, keep_values=False)  # [1, T, V]
     ref = hf_logits(hf, ids)  # [T, V]
     assert (ours[0] - ref).abs().max().item() < TOL
-    off, _ = Model(model.config.replace(**SWITCH[f][0]), model.weights).run(ids, keep_values=False)
-    assert (off[0] - ref).abs().max().item() > 100 * TOL  # the switch is what makes them agree
+    for change in ROWS[f].off:  # each switch is what makes them agree
+        off, _ = Model(model.config.replace(**change), model.weights).run(ids, keep_values=False)
+        assert (off[0] - ref).abs().max().item() > 100 * TOL, change
 
 
 def test_decode_with_the_cache_matches_hf(family):
@@ -66,14 +60,18 @@ def test_decode_with_the_cache_matches_hf(family):
     assert g.new_ids == ref.argmax(-1).tolist()
 
 
+def layer_0(trace) -> set[str]:
+    """The names of the records outside the layers and of layer 0's, without "layers.0."."""
+    return {r.name.removeprefix("layers.0.") for r in trace
+            if not r.name.startswith("layers.") or r.name.startswith("layers.0.")}
+
+
 def test_trace_names_show_the_family(family, tiny):
     """A diff of the two traces' names is the family, and nothing else."""
     f, model, _, ids = family
     trace = model.run(ids, keep_values=False)[1]
-    names = {r.name.replace("layers.0.", "") for r in trace if not r.name.startswith("layers.1.")}
-    llama = {r.name.replace("layers.0.", "") for r in tiny.run(ids, keep_values=False)[1]
-             if not r.name.startswith("layers.1.")}
-    assert llama <= names and names - llama == SWITCH[f][1]
+    names, llama = layer_0(trace), layer_0(tiny.run(ids, keep_values=False)[1])
+    assert llama <= names and names - llama == ROWS[f].records
     # Llama 3 adds no record: its RoPE says what turns it
     assert ("llama3-scaled" in trace.get("layers.0.attn.rope_q").op) == (f == "llama3")
 
@@ -90,7 +88,10 @@ def test_llama3_frequencies_match_hf(family):
     f, model, hf, _ = family
     c = model.config
     ours = rope_frequencies(c.head_dim, c.rope_theta, scaling=c.rope_scaling)  # [hd/2]
-    assert torch.allclose(ours, hf.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
+    rotary = hf.model.rotary_emb  # Gemma 3: one set of frequencies per kind of layer
+    theirs = getattr(rotary, "inv_freq", None)
+    assert torch.allclose(ours, rotary.full_attention_inv_freq if theirs is None else theirs,
+                          rtol=1e-6, atol=0)
     if f == "llama3":  # the tiny config reaches all three cases: kept, blended, slowed
         plain = rope_frequencies(c.head_dim, c.rope_theta)
         ratio = (plain / ours).tolist()
@@ -120,7 +121,7 @@ def test_config_round_trip_through_hf(f):
     c = Config.from_hf(make_config_json(f), name="x")
     assert c.family == ("llama" if f == "llama3" else f)
     assert Config.from_hf(c.to_hf(), name="x") == c
-    hf_class = getattr(transformers, FAMILIES[f][0])
+    hf_class = getattr(transformers, ROWS[f].config_class)
     back = hf_class(**{k: v for k, v in c.to_hf().items() if k != "architectures"})
     assert Config.from_hf(back.to_dict(), name="x") == c
 
@@ -135,10 +136,7 @@ def test_configs_hf_cannot_compute_are_refused():
 
 
 def make_config_json(f: str) -> dict:
-    from tiny_checkpoint import TINY
-
-    hf_class = getattr(transformers, FAMILIES[f][0])
-    return hf_class(**{**TINY, **FAMILIES[f][2]}).to_dict()
+    return hf_config(f).to_dict()
 
 
 def test_meta_model_of_each_family_has_its_tensors():
