@@ -72,7 +72,8 @@ ROWS = {
              {"rope_local_theta": 0.0}, {"layer_types": ("full",) * 4}),
         records=QK_NORM | {"attn.window_mask", "attn_post_norm.mean_sq", "attn_post_norm",
                            "mlp_post_norm.mean_sq", "mlp_post_norm", "embed.scaled"},
-        norms=(-0.5, 0.5)),  # HF starts every Gemma norm at 0 (a gain of 1): random ones test (1 + w)
+        # HF starts every Gemma norm at 0 (a gain of 1): random ones test (1 + w)
+        norms=(-0.5, 0.5)),
 }
 
 

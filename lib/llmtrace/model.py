@@ -162,6 +162,8 @@ class Model:
         (one KVCache per layer), K and V of the positions before `start` come from it.
         To patch operations, pass a `Patched` trace (or use `run`)."""
         c, w = self.config, self.weights
+        if isinstance(trace, Trace):
+            trace.config = c  # the model that made it, whose data flow `diagram` draws
         ids = check_ids(ids, c.vocab_size, batch=True).to(self.device)  # [B, T]
         pos = Positions.of(start, ids.shape[1], c, self.device)  # shared by every layer
 
