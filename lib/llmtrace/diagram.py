@@ -204,12 +204,14 @@ def _steps(trace) -> tuple[list, list]:
     record it is computed from (Qwen2's q_bias joins q, k, v), else of the one it feeds (a
     window mask joins the scores)."""
     edges = _block_edges(trace)
-    group = {n: key for key, _, names in ATTN_STEPS + MLP_STEPS for n in names}
+    recorded = {n for edge in edges for n in edge} - {"x"}
+    group = {n: key for key, _, names in ATTN_STEPS + MLP_STEPS for n in names if n in recorded}
     for a, b in edges + tuple((b, a) for a, b in edges):  # sources first, then consumers
         if b not in group and a in group and b != "x":
             group[b] = group[a]
-    return tuple([(key, text, [n for n, k in group.items() if k == key])
-                  for key, text, _ in steps] for steps in (ATTN_STEPS, MLP_STEPS))
+    steps = [[(key, text, [n for n, k in group.items() if k == key]) for key, text, _ in part]
+             for part in (ATTN_STEPS, MLP_STEPS)]
+    return tuple([step for step in part if step[2]] for part in steps)  # OLMo 2: no pre-norm
 
 
 SHORT_PASS = {"prompt": "text", "tokens": "tokens", "embed": "embed", "final_norm": "RMSNorm",
@@ -243,7 +245,7 @@ def compact_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
                 lit = any(_lit(n, highlight) for n in names)
                 out.append(f'    "b.{key}" [label="{text}" {LIT if lit else PLAIN}];')
             out.append("    " + " -> ".join(f'"b.{key}"' for key, _, _ in steps) + ";")
-        out.append('    "b.resid_mid" -> "b.mlp_norm" [constraint=false];')
+        out.append(f'    "b.resid_mid" -> "b.{mlp_steps[0][0]}" [constraint=false];')
         out.append('  }')
     out.append('  subgraph cluster_pass { label="the whole pass"; fontname="Helvetica"; '
                'fontsize=10; color="#bdbdbd";')
