@@ -348,8 +348,10 @@ def abridge(code: str, config, fn: str) -> tuple[str, int]:
             if value is None or not free(a, b):
                 continue
             side = node.body if value else node.orelse
-            edits.append((a, b, ast.get_source_segment(code, side, padded=False), 0))
-            taken.append((a, b))
+            # cut what lies outside the running side, so that edits inside it still apply
+            cut = (span(side)[1], b) if value else (a, span(side)[0])
+            edits.append((*cut, "", 0))
+            taken.append(cut)
             first = family_comments_above(node.lineno)
             if first < node.lineno:
                 edits.append((at(first, 0), at(node.lineno, 0), "", node.lineno - first))

@@ -162,8 +162,6 @@ class Model:
         (one KVCache per layer), K and V of the positions before `start` come from it.
         To patch operations, pass a `Patched` trace (or use `run`)."""
         c, w = self.config, self.weights
-        if isinstance(trace, Trace):
-            trace.config = c  # the model that made it, whose data flow `diagram` draws
         ids = check_ids(ids, c.vocab_size, batch=True).to(self.device)  # [B, T]
         pos = Positions.of(start, ids.shape[1], c, self.device)  # shared by every layer
 
@@ -208,6 +206,7 @@ class Model:
         the trace records what flowed on."""
         ids = self.ids(prompt)  # [1, T]
         trace = Trace(keep_values=keep_values, names=names, label="prefill")
+        trace.config = self.config  # the model that made it, whose data flow `diagram` draws
         check_trace_budget(self.config, trace, ids.shape[1])
         flow = Patched(patch, trace, self.config.vocab_size) if patch is not None else trace
         logits = self.forward(ids, flow, self.new_cache(ids.shape[1]))  # [1, T, V]
@@ -243,6 +242,7 @@ def trace_shapes(config: Config | str, prompt: int | torch.Tensor = 6, decode_st
     B, T = ids.shape
     cache = model.new_cache(T + decode_steps, B)
     traces = [Trace(keep_values=False, label=label)]
+    traces[0].config = model.config  # as `Model.run` says, for `diagram`
     model.forward(ids, traces[0], cache, start=0)
     for step in range(1, decode_steps + 1):
         traces.append(Trace(keep_values=False, label=f"decode {step}"))
