@@ -19,7 +19,7 @@ from llmtrace.weights import gguf as gguf_module
 from tiny_checkpoint import make_tiny_checkpoint
 
 # The keys every file gives (they fix the weights' shapes); the rest is left out
-SHAPES = dict(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+SHAPES = dict(vocab_size=60000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
               num_attention_heads=32)
 FAMILIES = tuple(families.REGISTRY)
 
@@ -151,7 +151,7 @@ FULL_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 0},
      "rope_parameters.partial_rotary_factor=0.5 (RoPE on part of each head) is not implemented"),
     ({**GEMMA, "attention_bias": True}, "attention_bias=true (projections with a bias vector)"),
     ({"eos_token_id": [2, "x"]}, "eos_token_id must be a token id, a list of them or null"),
-    ({"eos_token_id": 1000}, "eos_token_id=1000 is not below vocab_size=1000"),
+    ({"eos_token_id": 60000}, "eos_token_id=60000 is not below vocab_size=60000"),
 ])
 def test_a_value_that_makes_no_model_is_refused_by_its_key(settings, says):
     with pytest.raises(LlmTraceError) as err:

@@ -11,7 +11,8 @@ import transformers
 from llmtrace import Config, meta_model, trace_shapes
 from llmtrace.cost import parameter_count
 
-# the totals the model cards and the HF hub's safetensors metadata give
+# the totals the model cards and the HF hub's safetensors metadata give (a float: in billions,
+# as rounded where only that is published)
 PUBLISHED = {"llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248,
              "qwen3-0.6b": 596_049_920, "mistral-7b-v0.1": 7_241_732_096}
 FAMILY = {"llama-3.2-1b": "llama", "llama-3.1-8b": "llama", "qwen3-0.6b": "qwen3",
@@ -38,7 +39,10 @@ def test_parameter_count(name):
     for lw in weights.layers:
         tensors.update({id(t): t for t in vars(lw).values() if t is not None})
     assert parameter_count(c) == sum(t.numel() for t in tensors.values())
-    assert parameter_count(c) == hf_meta_count(c) == PUBLISHED[name]
+    assert parameter_count(c) == hf_meta_count(c)
+    published = PUBLISHED[name]
+    assert (round(parameter_count(c) / 1e9, 2) if isinstance(published, float)
+            else parameter_count(c)) == published
 
 
 @pytest.mark.parametrize("name", PUBLISHED)

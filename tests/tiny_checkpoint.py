@@ -31,6 +31,7 @@ class Row:
     # Config changes that each turn a switch of the family off: each must move the logits
     off: tuple = ()
     records: frozenset = frozenset()  # the names (layer 0's, without "layers.0.") only it has
+    lacks: frozenset = frozenset()  # and the names of Llama's it has not
     norms: tuple = (0.5, 1.5)  # the norms' random weights: HF starts them all at 1
 
 
