@@ -92,9 +92,9 @@ def runs(model: Model, name: str = EMBEDDED) -> bool:
 
 
 # Config fields by which another family's stage differs from Llama 2's (chapter 16 shows each)
-SWITCHES = ("qkv_bias", "qk_norm", "sliding_window", "rope_scaling", "norm_offset",
-            "sandwich_norm", "mlp_act", "embed_scale", "attn_scale", "layer_types",
-            "rope_local_theta")
+SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "rope_scaling",
+            "norm_offset", "sandwich_norm", "pre_norm", "mlp_act", "embed_scale", "attn_scale",
+            "layer_types", "rope_local_theta")
 
 
 def switches(model: Model, only=SWITCHES) -> list[str]:
@@ -187,7 +187,8 @@ _SWITCH_NAMES = {  # per function: its parameters and locals that carry a switch
     "block": {"off": ("norm_offset", False)},
 }
 # the words by which a comment says that its line is another family's, and that family
-FAMILY_WORDS = {"Qwen": "qwen", "Gemma": "gemma", "GeGLU": "gemma", "Mistral": "mistral"}
+FAMILY_WORDS = {"Qwen": "qwen", "Gemma": "gemma", "GeGLU": "gemma", "Mistral": "mistral",
+                "OLMo": "olmo"}
 
 
 def _switch_read(node, config, fn: str):

@@ -13,7 +13,9 @@ from llmtrace import load_model
 
 from tiny_checkpoint import ROWS, make_tiny_checkpoint
 
-FAMILIES = list(ROWS)
+# the families whose blocks the exercises do not build yet, and why
+NOT_EXERCISED = {"olmo2": "no norm before a sublayer, and the exercises read attn_norm's input"}
+FAMILIES = [f for f in ROWS if f not in NOT_EXERCISED]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

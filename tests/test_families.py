@@ -147,6 +147,15 @@ def test_configs_hf_cannot_compute_are_refused():
         Config.from_name("tinyllama").replace(qk_norm=True).to_hf()
     with pytest.raises(LlmTraceError, match="sliding_window=8 set with family 'qwen3'"):
         Config.from_name("qwen3-0.6b").replace(sliding_window=8).to_hf()
+    olmo = Config.from_name("olmo-2-1b")
+    with pytest.raises(LlmTraceError, match="pre_norm=False without sandwich_norm"):
+        olmo.replace(sandwich_norm=False)
+    with pytest.raises(LlmTraceError, match="qk_norm and qk_proj_norm both set"):
+        olmo.replace(qk_norm=True)
+    with pytest.raises(LlmTraceError, match="qk_proj_norm=False, but HF's Olmo2ForCausalLM alw"):
+        olmo.replace(qk_proj_norm=False).to_hf()
+    with pytest.raises(LlmTraceError, match="attention_bias=true .projections with a bias"):
+        Config.from_hf({**olmo.to_hf(), "attention_bias": True})
 
 
 def make_config_json(f: str) -> dict:
@@ -157,7 +166,9 @@ def test_meta_model_of_each_family_has_its_tensors():
     for f in NEW:
         c = Config.from_hf(make_config_json(f), name=f)
         lw = meta_model(c).weights.layers[0]
-        assert (lw.q_bias is not None) == c.qkv_bias and (lw.q_norm is not None) == c.qk_norm
+        assert (lw.q_bias is not None) == c.qkv_bias
+        assert (lw.q_norm is not None) == (c.qk_norm or c.qk_proj_norm)
+        assert (lw.attn_norm is not None) == c.pre_norm
 
 
 def only_tokenizer_json(tmp_path, family, text, post_processor=None):

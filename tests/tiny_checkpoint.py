@@ -75,6 +75,14 @@ ROWS = {
                            "mlp_post_norm.mean_sq", "mlp_post_norm", "embed.scaled"},
         # HF starts every Gemma norm at 0 (a gain of 1): random ones test (1 + w)
         norms=(-0.5, 0.5)),
+    # no norm before a sublayer, one after each; QK-norm over the whole projection
+    "olmo2": Row("Olmo2Config", "Olmo2ForCausalLM", SHARP,
+                 off=({"qk_proj_norm": False},
+                      {"pre_norm": True, "sandwich_norm": False}),  # the norms moved before
+                 records=QK_NORM | {"attn_post_norm.mean_sq", "attn_post_norm",
+                                    "mlp_post_norm.mean_sq", "mlp_post_norm"},
+                 lacks=frozenset({"attn_norm.mean_sq", "attn_norm", "mlp_norm.mean_sq",
+                                  "mlp_norm"})),
 }
 
 

@@ -48,6 +48,15 @@ def config_problems(v: dict, key=str) -> list[str]:
             problems.append(f"{key(field)}={value!r} must be a finite number >= 0")
     if v["mlp_act"] not in MLP_ACTS:
         problems.append(f"mlp_act={v['mlp_act']!r} must be one of {', '.join(MLP_ACTS)}")
+    for field in ("qk_proj_norm", "pre_norm"):
+        if v[field] is not True and v[field] is not False:
+            problems.append(f"{field}={v[field]!r} must be True or False")
+    if v["qk_norm"] is True and v["qk_proj_norm"] is True:
+        problems.append("qk_norm and qk_proj_norm both set: Q and K are normalized per head "
+                        "(Qwen3, Gemma 3) or over the whole projection (OLMo 2), not both")
+    if v["pre_norm"] is False and v["sandwich_norm"] is False:
+        problems.append("pre_norm=False without sandwich_norm: a block with no norm is no "
+                        "model computed here; OLMo 2 sets sandwich_norm=True")
     types = v["layer_types"]
     if not isinstance(types, tuple) or any(t not in ("full", "sliding") for t in types):
         problems.append(f"{key('layer_types')}={types!r} must be a tuple of 'full' or 'sliding'")
@@ -113,6 +122,7 @@ class Config:
     family: str = "llama"  # the HF model_type: llama, mistral, qwen2, qwen3, gemma3_text
     qkv_bias: bool = False  # Qwen2: a bias vector added to Q, K and V
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of Q and K, before RoPE
+    qk_proj_norm: bool = False  # OLMo 2: RMSNorm over all of q_proj's [H*hd] (k_proj's too)
     sliding_window: int = 0  # Mistral: a query sees only its last W keys (0: all earlier ones)
     # Llama 3.x: HF's rope_scaling as sorted (key, value) pairs, e.g. (("factor", 32.0), ...,
     # ("rope_type", "llama3")); () is plain RoPE
@@ -120,6 +130,7 @@ class Config:
     # Gemma 3's differences from Llama 2; each default is Llama 2's
     norm_offset: bool = False  # RMSNorm multiplies by (1 + weight): weights are stored around 0
     sandwich_norm: bool = False  # a norm after each sublayer too, before its residual add
+    pre_norm: bool = True  # False (OLMo 2): no norm before a sublayer, only sandwich_norm's after
     mlp_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     embed_scale: bool = False  # embedding rows times sqrt(hidden_size)
     attn_scale: float = 0.0  # scores = q @ k^T * attn_scale; 0 means 1 / sqrt(head_dim)
@@ -252,6 +263,12 @@ PRESETS: dict[str, dict] = {
                          layer_types=(("sliding",) * 5 + ("full",)) * 3,
                          rope_local_theta=10_000.0, sliding_window=512, qk_norm=True,
                          family="gemma3_text"),
+    # allenai/OLMo-2-0425-1B config.json: norms only after each sublayer, QK-norm over the
+    # whole projection, no BOS (its bos_token_id is null), <|endoftext|> 100257 ends
+    "olmo-2-1b": dict(vocab_size=100352, hidden_size=2048, n_layers=16, n_heads=16,
+                      n_kv_heads=16, ffn_size=8192, max_positions=4096, rope_theta=500_000.0,
+                      norm_eps=1e-6, bos_id=None, eos_id=100257, family="olmo2",
+                      pre_norm=False, sandwich_norm=True, qk_proj_norm=True),
 }
 ALIASES = {"tinyllama": "tinyllama-1.1b", "smollm2": "smollm2-135m", "embedded": "smollm2-135m",
            "7b": "llama-2-7b", "70b": "llama-2-70b", "mistral-7b": "mistral-7b-v0.1"}

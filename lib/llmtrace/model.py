@@ -26,22 +26,22 @@ from .trace import NO_TRACE, Patched, Trace
 from .weights.names import LAYER_TENSORS, MODEL_TENSORS, expected_shapes, hf_name
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LayerWeights:
-    attn_norm: torch.Tensor  # [D]
+    attn_norm: torch.Tensor | None = None  # [D]   (None: no norm before a sublayer, OLMo 2)
     q_proj: torch.Tensor  # [H*hd, D]   (out, in), as F.linear takes it
     k_proj: torch.Tensor  # [KV*hd, D]
     v_proj: torch.Tensor  # [KV*hd, D]
     o_proj: torch.Tensor  # [D, H*hd]
-    mlp_norm: torch.Tensor  # [D]
+    mlp_norm: torch.Tensor | None = None  # [D]
     gate: torch.Tensor  # [F, D]
     up: torch.Tensor  # [F, D]
     down: torch.Tensor  # [D, F]
     q_bias: torch.Tensor | None = None  # [H*hd]   qkv_bias (Qwen2)
     k_bias: torch.Tensor | None = None  # [KV*hd]
     v_bias: torch.Tensor | None = None  # [KV*hd]
-    q_norm: torch.Tensor | None = None  # [hd]     qk_norm (Qwen3)
-    k_norm: torch.Tensor | None = None  # [hd]
+    q_norm: torch.Tensor | None = None  # [hd]     qk_norm (Qwen3); [H*hd] over the projection
+    k_norm: torch.Tensor | None = None  # [hd]     ([KV*hd], OLMo 2)
     post_attn_norm: torch.Tensor | None = None  # [D]  (sandwich_norm: Gemma)
     post_mlp_norm: torch.Tensor | None = None  # [D]
 
@@ -107,15 +107,16 @@ def mlp_sublayer(h, w: LayerWeights, config, trace=NO_TRACE, name="layers.0") ->
 def block(x, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE,
           name="layers.0") -> torch.Tensor:
     """One block, pre-norm: h = x + attention(norm(x)), then h + mlp(norm(h)).
-    sandwich_norm (Gemma): a norm after each sublayer too, before the add."""
+    sandwich_norm (Gemma): a norm after each sublayer too, before the add.
+    OLMo 2 has only those after (pre_norm off): h = x + norm(attention(x))."""
     eps, off = config.norm_eps, config.norm_offset
     h = rms_norm(x, w.attn_norm, eps, trace, f"{name}.attn_norm",
-                 off)  # [B, T, D]
+                 off) if config.pre_norm else x  # [B, T, D]
     h = attn_sublayer(h, w, config, pos, cache, trace, name)  # [B, T, D]
     x = trace.record(f"{name}.resid_mid", "x + attn(attn_norm(x))",
                      x + h)  # [B, T, D]
     h = rms_norm(x, w.mlp_norm, eps, trace, f"{name}.mlp_norm",
-                 off)  # [B, T, D]
+                 off) if config.pre_norm else x  # [B, T, D]
     h = mlp_sublayer(h, w, config, trace, name)  # [B, T, D]
     return trace.record(f"{name}.resid_out", "h + mlp(mlp_norm(h))",
                         x + h)  # [B, T, D]

@@ -42,7 +42,7 @@ class Family:
     not_null: tuple = ()  # NULLABLE keys HF's class types as int: a null is refused
 
 
-from . import gemma3, llama, mistral, qwen2, qwen3  # noqa: E402  (they import Family)
+from . import gemma3, llama, mistral, olmo2, qwen2, qwen3  # noqa: E402  (they import Family)
 
 # model_type -> its entry: one line per family
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (
@@ -51,11 +51,13 @@ REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     qwen2.FAMILY,
     qwen3.FAMILY,
     gemma3.FAMILY,
+    olmo2.FAMILY,
 )}
 # the fields of Config that only some families set; a family sets each to its default, to the
 # value in its `switches`, or (in `varies`) to what its config.json says
-SWITCHES = ("qkv_bias", "qk_norm", "sliding_window", "norm_offset", "sandwich_norm", "mlp_act",
-            "embed_scale", "attn_scale", "layer_types", "rope_local_theta")
+SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "norm_offset",
+            "sandwich_norm", "pre_norm", "mlp_act", "embed_scale", "attn_scale", "layer_types",
+            "rope_local_theta")
 COMPUTED = ("llmtrace computes dense Llama-family models "
             f"({', '.join(f.label for f in REGISTRY.values())})")
 # model_types refused by name, for what they compute instead of a dense Llama block

@@ -57,17 +57,20 @@ def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
     has, in model order: a tied LM head has no tensor of its own, a family's extras appear only
     when its switch is on."""
     D, hd, V, F = c.hidden_size, c.head_dim, c.vocab_size, c.ffn_size
-    shapes = {"embed": (V, D),
-              "attn_norm": (D,), "q_proj": (c.n_heads * hd, D), "k_proj": (c.kv_size, D),
-              "v_proj": (c.kv_size, D)}
+    shapes = {"embed": (V, D), "attn_norm": (D,)} if c.pre_norm else {"embed": (V, D)}
+    shapes.update(q_proj=(c.n_heads * hd, D), k_proj=(c.kv_size, D), v_proj=(c.kv_size, D))
     if c.qkv_bias:
         shapes.update(q_bias=(c.n_heads * hd,), k_bias=(c.kv_size,), v_bias=(c.kv_size,))
+    if c.qk_proj_norm:  # OLMo 2: one weight over the whole projection
+        shapes.update(q_norm=(c.n_heads * hd,), k_norm=(c.kv_size,))
     if c.qk_norm:  # one weight per head dimension, shared by every head
         shapes.update(q_norm=(hd,), k_norm=(hd,))
     shapes["o_proj"] = (D, c.n_heads * hd)
     if c.sandwich_norm:  # Gemma: a norm after attention
         shapes["post_attn_norm"] = (D,)
-    shapes.update({"mlp_norm": (D,), "gate": (F, D), "up": (F, D), "down": (D, F)})
+    if c.pre_norm:
+        shapes["mlp_norm"] = (D,)
+    shapes.update({"gate": (F, D), "up": (F, D), "down": (D, F)})
     if c.sandwich_norm:  # and after the MLP
         shapes["post_mlp_norm"] = (D,)
     shapes["final_norm"] = (D,)
