@@ -5,10 +5,12 @@ written back (`Config.to_hf`), and its refusals. The compute code never asks whi
 it reads the switches.
 
 To add a family: write `families/<name>.py` holding `FAMILY = Family(...)` (copy the nearest
-one), add its line to `REGISTRY` below; if it brings a mechanism no family had, add the switch
-to `Config` (validated there), its stage lines where the block computes it, its weights' names
-in `weights/names.py`, and name the switch in `SWITCHES`; then one row in
-`tests/tiny_checkpoint.py`'s `TINY` table, which the parity tests read.
+one), add its line to `REGISTRY` below. If it brings a mechanism no family had, add the switch
+to `Config` (its default is Llama's; validated there), its stage lines where the block computes
+it (`if config.<switch>:`, which the book's listings leave out for Llama), its weights' shapes in
+`weights/names.py`, and name it in `SWITCHES` here and in notebooks/book.py's. Then one row in
+`tests/tiny_checkpoint.py`'s `ROWS` (HF's classes, a tiny config.json, the switches to turn
+off, the records only it has): the parity, map and shape tests read it.
 """
 
 from __future__ import annotations
