@@ -21,6 +21,7 @@ from pathlib import Path
 
 import llmtrace
 from llmtrace import Trace, load_model, trace_shapes
+from llmtrace.families import SWITCHES as FAMILY_SWITCHES
 from llmtrace.model import Model
 from llmtrace.load import resolve
 
@@ -91,10 +92,9 @@ def runs(model: Model, name: str = EMBEDDED) -> bool:
     return model.config.name == name
 
 
-# Config fields by which another family's stage differs from Llama 2's (chapter 16 shows each)
-SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "rope_scaling",
-            "norm_offset", "sandwich_norm", "pre_norm", "mlp_act", "embed_scale", "attn_scale",
-            "layer_types", "rope_local_theta")
+# Config fields by which another family's stage differs from Llama 2's (chapter 16 shows each):
+# the families' switches, and Llama 3's RoPE scaling
+SWITCHES = (*FAMILY_SWITCHES, "rope_scaling")
 
 
 def switches(model: Model, only=SWITCHES) -> list[str]:

@@ -8,7 +8,7 @@ To add a family: write `families/<name>.py` holding `FAMILY = Family(...)` (copy
 one), add its line to `REGISTRY` below. If it brings a mechanism no family had, add the switch
 to `Config` (its default is Llama's; validated there), its stage lines where the block computes
 it (`if config.<switch>:`, which the book's listings leave out for Llama), its weights' shapes in
-`weights/names.py`, and name it in `SWITCHES` here and in notebooks/book.py's. Then one row in
+`weights/names.py`, and name it in `SWITCHES` here (the book's listings read it). Then one row in
 `tests/tiny_checkpoint.py`'s `ROWS` (HF's classes, a tiny config.json, the switches to turn
 off, the records only it has): the parity, map and shape tests read it.
 """
