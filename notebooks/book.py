@@ -21,6 +21,7 @@ from pathlib import Path
 
 import llmtrace
 from llmtrace import Trace, load_model, trace_shapes
+from llmtrace.families import SWITCHES as FAMILY_SWITCHES
 from llmtrace.model import Model
 from llmtrace.load import resolve
 
@@ -91,10 +92,9 @@ def runs(model: Model, name: str = EMBEDDED) -> bool:
     return model.config.name == name
 
 
-# Config fields by which another family's stage differs from Llama 2's (chapter 16 shows each)
-SWITCHES = ("qkv_bias", "qk_norm", "sliding_window", "rope_scaling", "norm_offset",
-            "sandwich_norm", "mlp_act", "embed_scale", "attn_scale", "layer_types",
-            "rope_local_theta")
+# Config fields by which another family's stage differs from Llama 2's (chapter 16 shows each):
+# the families' switches, and Llama 3's RoPE scaling
+SWITCHES = (*FAMILY_SWITCHES, "rope_scaling")
 
 
 def switches(model: Model, only=SWITCHES) -> list[str]:
@@ -194,7 +194,7 @@ _SWITCH_NAMES = {  # per function: its parameters and locals that carry a switch
 }
 # the words by which a comment says that its line is another family's, and that family
 FAMILY_WORDS = {"Qwen": "qwen", "Gemma": "gemma", "GeGLU": "gemma", "Mistral": "mistral",
-                "gpt-oss": "gpt_oss", "SmolLM3": "smollm3"}
+                "gpt-oss": "gpt_oss", "SmolLM3": "smollm3", "OLMo": "olmo"}
 
 
 def _switch_read(node, config, fn: str):
@@ -359,8 +359,10 @@ def abridge(code: str, config, fn: str) -> tuple[str, int]:
             if value is None or not free(a, b):
                 continue
             side = node.body if value else node.orelse
-            edits.append((a, b, ast.get_source_segment(code, side, padded=False), 0))
-            taken.append((a, b))
+            # cut what lies outside the running side, so that edits inside it still apply
+            cut = (span(side)[1], b) if value else (a, span(side)[0])
+            edits.append((*cut, "", 0))
+            taken.append(cut)
             first = family_comments_above(node.lineno)
             if first < node.lineno:
                 edits.append((at(first, 0), at(node.lineno, 0), "", node.lineno - first))

@@ -17,8 +17,6 @@ this machine). What a chapter changes in the process itself (torch's global seed
 settings) does carry over to the next; nbval runs each chapter in a fresh kernel of its own.
 """
 
-import json
-import shutil
 from pathlib import Path
 
 import nbformat
@@ -63,16 +61,11 @@ def tiny_gemma3_dir(tmp_path_factory):
     of 4) with TinyLlama's tokenizer beside it, as the Llama one has. Its scores are scaled by
     1/sqrt(head_dim), as Gemma-3-270M's are (query_pre_attn_scalar = head_dim): the chapters'
     exercises define attention's scale so."""
-    from test_gemma3 import TINY_GEMMA3, make_gemma3_checkpoint
+    from tiny_checkpoint import ROWS, make_tiny_checkpoint
 
-    from llmtrace.weights.tokenizer_llama import build
-
-    d = tmp_path_factory.mktemp("gemma3") / "tiny-gemma3"
-    d.mkdir()
-    make_gemma3_checkpoint(d, query_pre_attn_scalar=TINY_GEMMA3["head_dim"])
-    shutil.copy(build(fetch=False), d / "tokenizer.model")
-    (d / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True}))
-    return d
+    head_dim = ROWS["gemma3_text"].config["head_dim"]
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("gemma3") / "tiny-gemma3",
+                                family="gemma3_text", query_pre_attn_scalar=head_dim)
 
 
 @pytest.mark.parametrize("path", FAMILY_CHAPTERS, ids=[p.stem for p in FAMILY_CHAPTERS])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmtrace import Config, LlmTraceError, load_model
-from llmtrace.config import LAYER_TENSORS, MODEL_TENSORS, expected_shapes
+from llmtrace.weights.names import LAYER_TENSORS, MODEL_TENSORS, expected_shapes
 from llmtrace.model import LayerWeights, Weights, state_dict_from_weights
 from llmtrace.weights.gguf import embedded_gguf_path, load_gguf
 from llmtrace.weights.hf import save_hf

@@ -13,13 +13,15 @@ import transformers
 from helpers import one_line
 from llmtrace import Config, LlmTraceError, load_model
 from llmtrace import config as config_module
+from llmtrace import families
+from llmtrace.families import _read, gemma3, mistral, qwen2
 from llmtrace.weights import gguf as gguf_module
 from tiny_checkpoint import make_tiny_checkpoint
 
 # The keys every file gives (they fix the weights' shapes); the rest is left out
-SHAPES = dict(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+SHAPES = dict(vocab_size=60000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
               num_attention_heads=32)
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+FAMILIES = tuple(families.REGISTRY)
 
 
 def both(tmp_path, settings: dict):
@@ -36,7 +38,7 @@ def hf_end_ids(hf) -> tuple:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_key_left_out_gets_hfs_default(tmp_path, family):
     ours, hf = both(tmp_path, {"model_type": family, **SHAPES})
-    assert type(hf).__name__ == config_module.CONFIG_CLASSES[family]
+    assert type(hf).__name__ == families.REGISTRY[family].config_class
     assert ours.n_kv_heads == hf.num_key_value_heads
     width = getattr(hf, "head_dim", None)  # Qwen2Config has none: hidden / heads
     assert ours.head_dim == (hf.hidden_size // 32 if width is None else width)
@@ -149,7 +151,7 @@ FULL_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 0},
      "rope_parameters.partial_rotary_factor=0.5 (RoPE on part of each head) is not implemented"),
     ({**GEMMA, "attention_bias": True}, "attention_bias=true (projections with a bias vector)"),
     ({"eos_token_id": [2, "x"]}, "eos_token_id must be a token id, a list of them or null"),
-    ({"eos_token_id": 1000}, "eos_token_id=1000 is not below vocab_size=1000"),
+    ({"eos_token_id": 60000}, "eos_token_id=60000 is not below vocab_size=60000"),
 ])
 def test_a_value_that_makes_no_model_is_refused_by_its_key(settings, says):
     with pytest.raises(LlmTraceError) as err:
@@ -168,7 +170,7 @@ def test_the_cli_refuses_query_pre_attn_scalar_zero(tmp_path, capsys):
 
 
 # --- no `value or default` in config reading -------------------------------------------------
-WRITERS = ("to_hf", "gemma3_to_hf")  # writing a config.json, where 0 -> null is the meaning
+WRITERS = ("to_hf", "write", "llama_hf", "gemma3_to_hf")  # writing a config.json, where 0 -> null is the meaning
 
 
 def or_fallbacks(source: str) -> list[str]:
@@ -213,6 +215,7 @@ def test_the_scan_finds_the_old_fallbacks():
                                  "v['head_dim'] or v['hidden_size'] // v['n_heads']"]
 
 
-@pytest.mark.parametrize("module", [config_module, gguf_module])
+@pytest.mark.parametrize("module", [config_module, gguf_module, families, _read, gemma3,
+                                    mistral, qwen2])
 def test_config_reading_has_no_or_fallback(module):
     assert or_fallbacks(inspect.getsource(module)) == []

@@ -1,13 +1,16 @@
-"""The map of the machine is drawn from the trace: every operation of a block is on it, and every
-edge carries the shape the trace recorded."""
+"""The map of the machine is drawn from the trace: every operation of a block is on it, for every
+family, with the data flow its code gives it, and every edge carries the shape the trace
+recorded."""
 
 import re
 import shutil
 
 import pytest
 
-from llmtrace.diagram import BLOCK_EDGES, machine_dot, render_svg
+from llmtrace import Config
+from llmtrace.diagram import block_flow, machine_dot, render_svg
 from llmtrace.model import trace_shapes
+from tiny_checkpoint import ROWS, hf_config
 
 
 @pytest.fixture(scope="module")
@@ -15,10 +18,33 @@ def tiny_trace():
     return trace_shapes("tinyllama-1.1b", 6, decode_steps=0)[0]
 
 
-def test_every_operation_of_a_block_is_on_the_map(tiny_trace):
-    on_map = {n for edge in BLOCK_EDGES for n in edge} - {"x"}
-    recorded = {r.name.split(".", 2)[2] for r in tiny_trace.layer(0)} - {"attn_norm.mean_sq", "mlp_norm.mean_sq"}
-    assert on_map == recorded
+def family_trace(f: str):
+    """The meta trace of a prompt of 6 on a family's tiny config (tiny_checkpoint.ROWS)."""
+    return trace_shapes(Config.from_hf(hf_config(f).to_dict(), name=f), 6, decode_steps=0)[0]
+
+
+def nodes(dot: str) -> set[str]:
+    return set(re.findall(r'"b\.([\w.]+)" \[label=', dot)) - {"x"}
+
+
+@pytest.mark.parametrize("f", list(ROWS))
+def test_every_record_of_layer_0_is_on_the_map(f):
+    trace = family_trace(f)
+    recorded = {r.name.split(".", 2)[2] for r in trace.layer(0)}
+    assert nodes(machine_dot(trace)) == recorded
+
+
+def test_the_flow_is_the_codes():
+    """Edges from what each tensor was computed from: Gemma 3's norm after attention sits
+    between attention's output and the residual add, its window mask between the causal mask
+    and the masked scores; Qwen2's bias follows its projection."""
+    gemma = block_flow(Config.from_name("gemma-3-270m"))
+    assert {("attn.out", "attn_post_norm"), ("attn_post_norm", "resid_mid"),
+            ("attn.causal_mask", "attn.window_mask"),
+            ("attn.window_mask", "attn.masked_scores")} <= set(gemma)
+    assert ("attn.out", "resid_mid") not in gemma
+    qwen2 = block_flow(Config.from_hf(hf_config("qwen2").to_dict(), name="q"))
+    assert ("attn.q_proj", "attn.q_bias") in qwen2 and ("attn.q_bias", "attn.q") in qwen2
 
 
 def test_edges_carry_tinyllamas_shapes(tiny_trace):
@@ -56,12 +82,15 @@ def _lit_nodes(dot):
     return set(re.findall(r'"([pb]\.[\w.]+)" \[label="[^"]*" style="filled,bold"', dot))
 
 
-def test_every_operation_of_a_block_is_in_one_step_of_the_compact_map():
-    from llmtrace.diagram import ATTN_STEPS, MLP_STEPS
+@pytest.mark.parametrize("f", list(ROWS))
+def test_every_record_of_a_block_is_in_one_step_of_the_compact_map(f):
+    from llmtrace.diagram import _steps
 
-    grouped = [n for _, _, names in ATTN_STEPS + MLP_STEPS for n in names]
+    trace = family_trace(f)
+    attn, mlp = _steps(trace)
+    grouped = [n for _, _, names in attn + mlp for n in names]
     assert len(grouped) == len(set(grouped))  # no record in two steps
-    assert set(grouped) == {n for edge in BLOCK_EDGES for n in edge} - {"x"}
+    assert set(grouped) == {r.name.split(".", 2)[2] for r in trace.layer(0)}
 
 
 def test_compact_map_lights_the_steps_that_hold_the_stage(tiny_trace):

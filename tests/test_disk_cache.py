@@ -24,7 +24,7 @@ from llmtrace.disk_cache import MANIFEST, cache_dir, usable
 def cache(tmp_path, monkeypatch, embedded):
     """An empty cache, and a conversion that takes no ten seconds: a 1-layer model with the
     embedded vocabulary stands in for the GGUF. `calls` counts conversions."""
-    from llmtrace.config import expected_shapes
+    from llmtrace.weights.names import expected_shapes
 
     monkeypatch.setenv("LLMTRACE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(loader, "_embedded", None)

@@ -199,15 +199,13 @@ def test_count_parameters_counts_each_familys_switches():
     """The reference counts what HF's own class holds: Qwen2's biases, Qwen3's and Gemma 3's
     q_norm and k_norm, Gemma 3's norms after each sublayer."""
     import transformers
-    from test_gemma3 import TINY_GEMMA3
-    from tiny_checkpoint import FAMILIES, TINY
+    from test_exercises_families import FAMILIES
+    from tiny_checkpoint import ROWS, hf_config
 
-    made = {f: (getattr(transformers, cls)(**{**TINY, **changes}), model_cls)
-            for f, (cls, model_cls, changes) in FAMILIES.items()}
-    made["gemma3"] = (transformers.Gemma3TextConfig(**TINY_GEMMA3), "Gemma3ForCausalLM")
-    for f, (hf_config, model_cls) in made.items():
-        hf = getattr(transformers, model_cls)(hf_config)
-        c = Config.from_hf(hf_config.to_dict(), name=f)
+    for f in FAMILIES:
+        config, row = hf_config(f), ROWS[f]
+        hf = getattr(transformers, row.model_class)(config)
+        c = Config.from_hf(config.to_dict(), name=f)
         assert solution("count_parameters")(c) == sum(p.numel() for p in hf.parameters()), f
 
 

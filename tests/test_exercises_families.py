@@ -3,7 +3,6 @@ a tiny random checkpoint of Llama, Llama 3 (RoPE scaling), Mistral (a window), Q
 Qwen3 (QK-norm, head_dim of its own) and Gemma 3 (query_pre_attn_scalar != head_dim, local and
 global layers, norms after each sublayer, (1 + w) gains, GeGLU); a wrong version still fails."""
 
-import shutil
 
 import pytest
 import torch
@@ -12,24 +11,18 @@ from exercises import NAMES, solution
 from helpers import verdict
 from llmtrace import load_model
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3"]
+from tiny_checkpoint import ROWS, make_tiny_checkpoint
+
+# the families whose blocks the exercises do not build yet, and why
+NOT_EXERCISED = {"olmo2": "no norm before a sublayer, and the exercises read attn_norm's input"}
+FAMILIES = [f for f in ROWS if f not in NOT_EXERCISED]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_model(request, tmp_path_factory):
-    from tiny_checkpoint import make_tiny_checkpoint
-
     f = request.param
-    d = make_tiny_checkpoint(tmp_path_factory.mktemp(f) / f, family=f.replace("gemma3", "llama"))
-    if f == "gemma3":  # Gemma's weights, beside the Llama checkpoint's tokenizer
-        from test_gemma3 import make_gemma3_checkpoint
-
-        g = tmp_path_factory.mktemp("gemma3") / "gemma3"
-        shutil.copytree(d, g)
-        (g / "model.safetensors").unlink()
-        d = make_gemma3_checkpoint(g)
-    model = load_model(d)
-    if f == "gemma3":
+    model = load_model(make_tiny_checkpoint(tmp_path_factory.mktemp(f) / f, family=f))
+    if f == "gemma3_text":
         c = model.config
         assert c.attn_scale != c.head_dim ** -0.5 and c.sandwich_norm and c.norm_offset
     return f, model

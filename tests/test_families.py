@@ -1,9 +1,12 @@
-"""Today's families against Hugging Face transformers, on tiny random-weight checkpoints made at test
-time by HF's own config and model classes (`tiny_checkpoint.FAMILIES`): Llama 3 (llama3 RoPE
-scaling), Mistral (sliding window 4), Qwen2 (bias on Q, K, V), Qwen3 (QK-norm, head_dim 24 with
-hidden 64 over 4 heads). Each is loaded by llmtrace's own loader; its logits must match HF's eager
-forward within 1e-4, for a prefill of 11 tokens (past the window) and for greedy decode steps that
-read the KV cache. Each switch must matter: turned off, the logits move far more than that."""
+"""Every family against Hugging Face transformers, on tiny random-weight checkpoints made at test
+time by HF's own config and model classes, one row each (`tiny_checkpoint.ROWS`): Llama 3 (llama3
+RoPE scaling), Mistral (sliding window 4), Qwen2 (bias on Q, K, V), Qwen3 (QK-norm, head_dim 24
+with hidden 64 over 4 heads), Gemma 3 (local and global layers)... Each is loaded by llmtrace's own
+loader; its logits must match HF's eager forward within 1e-4, for a prefill of 11 tokens (past the
+window) and for greedy decode steps that read the KV cache. Each switch must matter: turned off,
+the logits move far more than that."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -14,19 +17,12 @@ from llmtrace.attention import causal_mask, window_mask
 from llmtrace.model import Model, estimate_trace_bytes, trace_bytes
 from llmtrace.rope import rope_frequencies
 from llmtrace.trace import Trace
-from tiny_checkpoint import FAMILIES, make_tiny_checkpoint
+from llmtrace.weights.names import tensor_shapes
+from tiny_checkpoint import ROWS, hf_config, make_tiny_checkpoint
 
 TOL = 1e-4
 T, STEPS = 11, 5  # prompt length (past the window of 4) and decode steps
-# family -> (the switch turned off, the records only this family's trace has)
-SWITCH = {
-    "llama3": ({"rope_scaling": ()}, set()),
-    "mistral": ({"sliding_window": 0}, {"attn.window_mask"}),
-    "qwen2": ({"qkv_bias": False}, {"attn.q_bias", "attn.k_bias", "attn.v_bias"}),
-    "qwen3": ({"qk_norm": False}, {"attn.q_norm.mean_sq", "attn.q_norm",
-                                   "attn.k_norm.mean_sq", "attn.k_norm"}),
-}
-NEW = [f for f in FAMILIES if f != "llama"]
+NEW = [f for f in ROWS if f != "llama"]
 
 
 @pytest.fixture(scope="module", params=NEW)
@@ -36,9 +32,19 @@ def family(request, tmp_path_factory):
     d = make_tiny_checkpoint(tmp_path_factory.mktemp(f) / f"tiny-{f}", family=f)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         d, attn_implementation="eager", dtype=torch.float32).eval()
-    assert type(hf).__name__ == FAMILIES[f][1]
+    assert type(hf).__name__ == ROWS[f].model_class
     ids = torch.randint(3, 32000, (1, T), generator=torch.Generator().manual_seed(5))
     return f, load_model(d), hf, ids
+
+
+def weights_for(c: Config, w):
+    """The weights with a gain of 1 for each norm the config `c` has and they lack (a switch
+    turned off that moves OLMo 2's norms before the sublayers)."""
+    shapes = tensor_shapes(c)
+    layers = [dataclasses.replace(lw, **{f: torch.ones(shapes[f]) for f in ("attn_norm", "mlp_norm")
+                                         if f in shapes and getattr(lw, f) is None})
+              for lw in w.layers]
+    return dataclasses.replace(w, layers=layers)
 
 
 def hf_logits(hf, ids) -> torch.Tensor:
@@ -51,8 +57,10 @@ def test_prefill_matches_hf(family):
     ours, _ = model.run(ids, keep_values=False)  # [1, T, V]
     ref = hf_logits(hf, ids)  # [T, V]
     assert (ours[0] - ref).abs().max().item() < TOL
-    off, _ = Model(model.config.replace(**SWITCH[f][0]), model.weights).run(ids, keep_values=False)
-    assert (off[0] - ref).abs().max().item() > 100 * TOL  # the switch is what makes them agree
+    for change in ROWS[f].off:  # each switch is what makes them agree
+        c = model.config.replace(**change)
+        off, _ = Model(c, weights_for(c, model.weights)).run(ids, keep_values=False)
+        assert (off[0] - ref).abs().max().item() > 100 * TOL, change
 
 
 def test_decode_with_the_cache_matches_hf(family):
@@ -66,14 +74,18 @@ def test_decode_with_the_cache_matches_hf(family):
     assert g.new_ids == ref.argmax(-1).tolist()
 
 
+def layer_0(trace) -> set[str]:
+    """The names of the records outside the layers and of layer 0's, without "layers.0."."""
+    return {r.name.removeprefix("layers.0.") for r in trace
+            if not r.name.startswith("layers.") or r.name.startswith("layers.0.")}
+
+
 def test_trace_names_show_the_family(family, tiny):
     """A diff of the two traces' names is the family, and nothing else."""
     f, model, _, ids = family
     trace = model.run(ids, keep_values=False)[1]
-    names = {r.name.replace("layers.0.", "") for r in trace if not r.name.startswith("layers.1.")}
-    llama = {r.name.replace("layers.0.", "") for r in tiny.run(ids, keep_values=False)[1]
-             if not r.name.startswith("layers.1.")}
-    assert llama <= names and names - llama == SWITCH[f][1]
+    names, llama = layer_0(trace), layer_0(tiny.run(ids, keep_values=False)[1])
+    assert names - llama == ROWS[f].records and llama - names == ROWS[f].lacks
     # Llama 3 adds no record: its RoPE says what turns it
     assert ("llama3-scaled" in trace.get("layers.0.attn.rope_q").op) == (f == "llama3")
 
@@ -90,7 +102,10 @@ def test_llama3_frequencies_match_hf(family):
     f, model, hf, _ = family
     c = model.config
     ours = rope_frequencies(c.head_dim, c.rope_theta, scaling=c.rope_scaling)  # [hd/2]
-    assert torch.allclose(ours, hf.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
+    rotary = hf.model.rotary_emb  # Gemma 3: one set of frequencies per kind of layer
+    theirs = getattr(rotary, "inv_freq", None)
+    assert torch.allclose(ours, rotary.full_attention_inv_freq if theirs is None else theirs,
+                          rtol=1e-6, atol=0)
     if f == "llama3":  # the tiny config reaches all three cases: kept, blended, slowed
         plain = rope_frequencies(c.head_dim, c.rope_theta)
         ratio = (plain / ours).tolist()
@@ -120,7 +135,7 @@ def test_config_round_trip_through_hf(f):
     c = Config.from_hf(make_config_json(f), name="x")
     assert c.family == ("llama" if f == "llama3" else f)
     assert Config.from_hf(c.to_hf(), name="x") == c
-    hf_class = getattr(transformers, FAMILIES[f][0])
+    hf_class = getattr(transformers, ROWS[f].config_class)
     back = hf_class(**{k: v for k, v in c.to_hf().items() if k != "architectures"})
     assert Config.from_hf(back.to_dict(), name="x") == c
 
@@ -128,24 +143,32 @@ def test_config_round_trip_through_hf(f):
 def test_configs_hf_cannot_compute_are_refused():
     with pytest.raises(LlmTraceError, match=r"rope_scaling=\{'rope_type': 'yarn'.* is not Llama"):
         Config.from_name("llama-3.2-1b").replace(rope_scaling={"rope_type": "yarn"})
-    with pytest.raises(LlmTraceError, match="is not what HF's LlamaForCausalLM computes"):
+    with pytest.raises(LlmTraceError, match="qk_norm=True set with family 'llama': HF's Llama"):
         Config.from_name("tinyllama").replace(qk_norm=True).to_hf()
-    with pytest.raises(LlmTraceError, match="sliding_window=8 with family 'qwen3'"):
+    with pytest.raises(LlmTraceError, match="sliding_window=8 set with family 'qwen3'"):
         Config.from_name("qwen3-0.6b").replace(sliding_window=8).to_hf()
+    olmo = Config.from_name("olmo-2-1b")
+    with pytest.raises(LlmTraceError, match="pre_norm=False without sandwich_norm"):
+        olmo.replace(sandwich_norm=False)
+    with pytest.raises(LlmTraceError, match="qk_norm and qk_proj_norm both set"):
+        olmo.replace(qk_norm=True)
+    with pytest.raises(LlmTraceError, match="qk_proj_norm=False, but HF's Olmo2ForCausalLM alw"):
+        olmo.replace(qk_proj_norm=False).to_hf()
+    with pytest.raises(LlmTraceError, match="attention_bias=true .projections with a bias"):
+        Config.from_hf({**olmo.to_hf(), "attention_bias": True})
 
 
 def make_config_json(f: str) -> dict:
-    from tiny_checkpoint import TINY
-
-    hf_class = getattr(transformers, FAMILIES[f][0])
-    return hf_class(**{**TINY, **FAMILIES[f][2]}).to_dict()
+    return hf_config(f).to_dict()
 
 
 def test_meta_model_of_each_family_has_its_tensors():
     for f in NEW:
         c = Config.from_hf(make_config_json(f), name=f)
         lw = meta_model(c).weights.layers[0]
-        assert (lw.q_bias is not None) == c.qkv_bias and (lw.q_norm is not None) == c.qk_norm
+        assert (lw.q_bias is not None) == c.qkv_bias
+        assert (lw.q_norm is not None) == (c.qk_norm or c.qk_proj_norm)
+        assert (lw.attn_norm is not None) == c.pre_norm
 
 
 def only_tokenizer_json(tmp_path, family, text, post_processor=None):

@@ -1,5 +1,5 @@
 """Gemma 3 (text) against transformers' own Gemma3ForCausalLM, on a tiny random checkpoint made
-at test time from Gemma3TextConfig: local (sliding-window) and global layers with two RoPE bases,
+at test time from Gemma3TextConfig (`tiny_checkpoint.ROWS`): local (sliding-window) and global layers with two RoPE bases,
 a window shorter than the prompt, head_dim != hidden / heads, query_pre_attn_scalar != head_dim.
 Then the Gemma-3-270M preset's parameter count against HF's class on the meta device."""
 
@@ -10,37 +10,20 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from llmtrace import generate, load_model
-from llmtrace.config import Config, expected_shapes
+from llmtrace.config import Config
+from llmtrace.weights.names import expected_shapes
 from llmtrace.cost import parameter_count
 from llmtrace.errors import LlmTraceError
 from llmtrace.model import Model, estimate_trace_bytes, trace_bytes, trace_shapes
 from llmtrace.trace import Trace
+from tiny_checkpoint import make_tiny_checkpoint
 
-TINY_GEMMA3 = dict(
-    vocab_size=32000, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=24,  # not 64 / 4
-    query_pre_attn_scalar=20,  # scores * 20^-0.5, not head_dim^-0.5
-    sliding_window=4, max_position_embeddings=256,
-    layer_types=["sliding_attention", "full_attention"] * 2,
-    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
 PROMPT_LEN = 11  # past the window of 4
-
-
-def make_gemma3_checkpoint(directory, seed: int = 0, **overrides):
-    torch.manual_seed(seed)
-    hf = Gemma3ForCausalLM(Gemma3TextConfig(**{**TINY_GEMMA3, **overrides})).eval()
-    with torch.no_grad():  # HF starts every norm at 0 (a gain of 1): random ones test (1 + w)
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.uniform_(-0.5, 0.5)
-    hf.save_pretrained(directory, safe_serialization=True)
-    return directory
 
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    d = make_gemma3_checkpoint(tmp_path_factory.mktemp("gemma3"))
+    d = make_tiny_checkpoint(tmp_path_factory.mktemp("gemma3") / "tiny", family="gemma3_text")
     hf = Gemma3ForCausalLM.from_pretrained(d, attn_implementation="eager",
                                            dtype=torch.float32).eval()
     return load_model(str(d)), hf
@@ -206,7 +189,7 @@ def test_what_is_not_computed_is_refused(change, says):
 
 
 @pytest.mark.parametrize("preset, change, says", [
-    ("tinyllama", {"norm_offset": True}, "norm_offset set with family 'llama'"),
+    ("tinyllama", {"norm_offset": True}, "norm_offset=True set with family 'llama'"),
     ("gemma-3-270m", {"embed_scale": False}, "Gemma3ForCausalLM always computes"),
 ])
 def test_to_hf_writes_gemma_switches_only_as_gemma(preset, change, says):

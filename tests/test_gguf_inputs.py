@@ -9,7 +9,7 @@ import pytest
 
 from helpers import PROMPT, one_line
 from llmtrace import LlmTraceError, load_model
-from llmtrace.config import LAYER_TENSORS, MODEL_TENSORS
+from llmtrace.weights.names import LAYER_TENSORS, MODEL_TENSORS
 from llmtrace.rope import half_split_to_adjacent
 from llmtrace.weights import tokenizer_llama
 

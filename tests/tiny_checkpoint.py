@@ -1,8 +1,10 @@
-"""A tiny random-weight Llama checkpoint in Hugging Face format, made in seconds, as
-LLMs-from-scratch's tests do: HF's own `LlamaConfig` and `LlamaForCausalLM`, saved with
-`save_pretrained`, beside TinyLlama's real tokenizer (32,000 pieces). Two layers, hidden 64, GQA 4/2.
-Its logits are noise; its shapes, ids and plumbing are a real Llama checkpoint's. Other families
-(`FAMILIES`) come from their own HF config and model classes, with what makes each one differ.
+"""Tiny random-weight checkpoints in Hugging Face format, made in seconds, as LLMs-from-scratch's
+tests do: one row per family (`ROWS`, keyed by HF's model_type; `llama3` is Llama with Llama 3's
+RoPE), each saved by HF's own config and model classes with `save_pretrained`, beside TinyLlama's
+real tokenizer (32,000 pieces). Two layers (Gemma 3: four, local and global), hidden 64, GQA 4/2.
+Their logits are noise; their shapes, ids and plumbing are a real checkpoint's. Each row also
+says what the parity tests (tests/test_families.py) turn off to see the family's switches
+matter, and which records only that family's trace has.
 
     python tests/tiny_checkpoint.py DIR [FAMILY]   # write one, e.g. for LLMTRACE_MODEL=DIR
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 TINY = dict(vocab_size=32000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
@@ -19,8 +22,20 @@ TINY = dict(vocab_size=32000, hidden_size=64, intermediate_size=176, num_hidden_
             rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
             bos_token_id=1, eos_token_id=2)
 
-# family -> (HF config class, HF model class, what the family changes on top of TINY). The
-# windows and the Llama 3 rope are chosen to matter at a dozen positions: a window of 4 slides
+
+@dataclass(frozen=True)
+class Row:
+    config_class: str  # HF's config class
+    model_class: str  # HF's model class
+    config: dict  # the tiny config.json's settings
+    # Config changes that each turn a switch of the family off: each must move the logits
+    off: tuple = ()
+    records: frozenset = frozenset()  # the names (layer 0's, without "layers.0.") only it has
+    lacks: frozenset = frozenset()  # and the names of Llama's it has not
+    norms: tuple = (0.5, 1.5)  # the norms' random weights: HF starts them all at 1
+
+
+# The windows and the Llama 3 rope are chosen to matter at a dozen positions: a window of 4 slides
 # past a prompt of 11; with head_dim 16 and original_max_position_embeddings 64, the llama3
 # rule leaves pair 0 alone, blends pairs 1 and 2 and slows the rest 8 times. Weights drawn 5 times
 # wider than HF's default (initializer_range 0.02) make attention sharp, so each family's switch
@@ -29,14 +44,54 @@ TINY = dict(vocab_size=32000, hidden_size=64, intermediate_size=176, num_hidden_
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
-SHARP = {"initializer_range": 0.1}
-FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "llama3": ("LlamaConfig", "LlamaForCausalLM", {**SHARP, "rope_parameters": LLAMA3_ROPE}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {**SHARP, "sliding_window": 4}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", SHARP),  # the bias on Q, K, V is in the class
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**SHARP, "head_dim": 24}),  # != hidden/heads
+SHARP = {**TINY, "initializer_range": 0.1}
+QK_NORM = frozenset({"attn.q_norm.mean_sq", "attn.q_norm", "attn.k_norm.mean_sq", "attn.k_norm"})
+ROWS = {
+    "llama": Row("LlamaConfig", "LlamaForCausalLM", TINY),
+    "llama3": Row("LlamaConfig", "LlamaForCausalLM", {**SHARP, "rope_parameters": LLAMA3_ROPE},
+                  off=({"rope_scaling": ()},)),
+    "mistral": Row("MistralConfig", "MistralForCausalLM", {**SHARP, "sliding_window": 4},
+                   off=({"sliding_window": 0},), records=frozenset({"attn.window_mask"})),
+    "qwen2": Row("Qwen2Config", "Qwen2ForCausalLM", SHARP,  # the bias on Q, K, V is in the class
+                 off=({"qkv_bias": False},),
+                 records=frozenset({"attn.q_bias", "attn.k_bias", "attn.v_bias"})),
+    "qwen3": Row("Qwen3Config", "Qwen3ForCausalLM", {**SHARP, "head_dim": 24},  # != hidden/heads
+                 off=({"qk_norm": False},), records=QK_NORM),
+    # local (sliding-window) and global layers with two RoPE bases, a window shorter than the
+    # prompt, head_dim != hidden / heads, query_pre_attn_scalar != head_dim
+    "gemma3_text": Row(
+        "Gemma3TextConfig", "Gemma3ForCausalLM",
+        dict(vocab_size=32000, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=24,  # not 64 / 4
+             query_pre_attn_scalar=20,  # scores * 20^-0.5, not head_dim^-0.5
+             sliding_window=4, max_position_embeddings=256,
+             layer_types=["sliding_attention", "full_attention"] * 2,
+             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+        off=({"norm_offset": False}, {"sandwich_norm": False}, {"embed_scale": False},
+             {"mlp_act": "silu"}, {"attn_scale": 0.0}, {"qk_norm": False},
+             {"rope_local_theta": 0.0}, {"layer_types": ("full",) * 4}),
+        records=QK_NORM | {"attn.window_mask", "attn_post_norm.mean_sq", "attn_post_norm",
+                           "mlp_post_norm.mean_sq", "mlp_post_norm", "embed.scaled"},
+        # HF starts every Gemma norm at 0 (a gain of 1): random ones test (1 + w)
+        norms=(-0.5, 0.5)),
+    # no norm before a sublayer, one after each; QK-norm over the whole projection
+    "olmo2": Row("Olmo2Config", "Olmo2ForCausalLM", SHARP,
+                 off=({"qk_proj_norm": False},
+                      {"pre_norm": True, "sandwich_norm": False}),  # the norms moved before
+                 records=QK_NORM | {"attn_post_norm.mean_sq", "attn_post_norm",
+                                    "mlp_post_norm.mean_sq", "mlp_post_norm"},
+                 lacks=frozenset({"attn_norm.mean_sq", "attn_norm", "mlp_norm.mean_sq",
+                                  "mlp_norm"})),
 }
+
+
+def hf_config(family: str, **overrides):
+    """HF's own config object of a row."""
+    import transformers
+
+    row = ROWS[family]
+    return getattr(transformers, row.config_class)(**{**row.config, **overrides})
 
 
 def make_tiny_checkpoint(directory: str | Path, seed: int = 0, family: str = "llama",
@@ -47,16 +102,16 @@ def make_tiny_checkpoint(directory: str | Path, seed: int = 0, family: str = "ll
 
     from llmtrace.weights.tokenizer_llama import build
 
-    config_class, model_class, changes = FAMILIES[family]
+    row = ROWS[family]
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(**{**TINY, **changes, **overrides})
-    model = getattr(transformers, model_class)(config).eval()
-    with torch.no_grad():  # HF initialises norms to 1; random ones exercise the weight in RMSNorm too
+    config = hf_config(family, **overrides)
+    model = getattr(transformers, row.model_class)(config).eval()
+    with torch.no_grad():  # random norms exercise the weight in RMSNorm too
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.uniform_(0.5, 1.5)
+                p.uniform_(*row.norms)
             elif name.endswith(".bias"):  # HF initialises biases to 0
                 p.normal_(0.0, 0.5)
     model.save_pretrained(d, safe_serialization=True)

@@ -156,6 +156,11 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
                      B * T * D * KV * hd)  # [B, T, KV*hd]
     v = trace.record(f"{name}.v_proj", "x @ W_v^T", F.linear(x, w.v_proj),
                      B * T * D * KV * hd)  # [B, T, KV*hd]
+    if config.qk_proj_norm:  # OLMo 2: q and k to RMS 1 over all heads at once
+        q = rms_norm(q, w.q_norm, config.norm_eps, trace,
+                     f"{name}.q_norm")  # [B, T, H*hd]
+        k = rms_norm(k, w.k_norm, config.norm_eps, trace,
+                     f"{name}.k_norm")  # [B, T, KV*hd]
     if config.qkv_bias:  # Qwen2: each projection's bias, a record of its own
         q = trace.record(f"{name}.q_bias", "q_proj + b_q",
                          q + w.q_bias)  # [B, T, H*hd]

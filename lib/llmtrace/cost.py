@@ -12,7 +12,8 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .config import LAYER_TENSORS, Config, tensor_shapes
+from .config import Config
+from .weights.names import LAYER_TENSORS, tensor_shapes
 
 
 @dataclass

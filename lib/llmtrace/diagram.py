@@ -9,34 +9,101 @@ other graphviz package) renders it as SVG, which the book embeds as a vector ima
 from __future__ import annotations
 
 import fnmatch
+import functools
 import shutil
 import subprocess
 
-from .errors import LlmTraceError
-from .trace import _fmt_shape
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
-# One block, as data dependencies between the trace's records (names within layer N).
-# "x" is the block's input: the embedding for layer 0, the previous block's resid_out after.
-BLOCK_EDGES = [
-    ("x", "attn_norm"),
-    ("attn_norm", "attn.q_proj"), ("attn_norm", "attn.k_proj"), ("attn_norm", "attn.v_proj"),
-    ("attn.q_proj", "attn.q"), ("attn.k_proj", "attn.k"), ("attn.v_proj", "attn.v"),
-    ("attn.q", "attn.rope_q"), ("attn.k", "attn.rope_k"),
-    ("attn.rope_k", "attn.kv_cache.k"), ("attn.v", "attn.kv_cache.v"),
-    ("attn.kv_cache.k", "attn.k_expanded"), ("attn.kv_cache.v", "attn.v_expanded"),
-    ("attn.rope_q", "attn.scores"), ("attn.k_expanded", "attn.scores"),
-    ("attn.scores", "attn.masked_scores"), ("attn.causal_mask", "attn.masked_scores"),
-    ("attn.masked_scores", "attn.weights"),
-    ("attn.weights", "attn.weighted_sum"), ("attn.v_expanded", "attn.weighted_sum"),
-    ("attn.weighted_sum", "attn.merged"), ("attn.merged", "attn.out"),
-    ("attn.out", "resid_mid"), ("x", "resid_mid"),
-    ("resid_mid", "mlp_norm"),
-    ("mlp_norm", "mlp.gate"), ("mlp_norm", "mlp.up"),
-    ("mlp.gate", "mlp.act"), ("mlp.act", "mlp.gated"), ("mlp.up", "mlp.gated"),
-    ("mlp.gated", "mlp.down"),
-    ("mlp.down", "resid_out"), ("resid_mid", "resid_out"),
-]
+from .config import Config
+from .errors import LlmTraceError
+from .trace import Trace, _fmt_shape
+
 RESIDUAL = {("x", "resid_mid"), ("resid_mid", "resid_out")}  # the skip connections
+
+
+class _Flow(TorchFunctionMode):
+    """While active, which recorded tensors each tensor an operation makes derives from (an
+    in-place write, as the KV cache's, passes its sources on to the tensor written into)."""
+
+    def __init__(self):
+        super().__init__()
+        self.came_from: dict[int, tuple] = {}  # id(tensor) -> names of the records it comes from
+        self.alive: list = []  # every tensor seen, so that no id is reused during the pass
+
+    def mark(self, t, names: tuple) -> None:
+        self.came_from[id(t)] = names
+        self.alive.append(t)
+
+    def sources(self, values) -> tuple:
+        tensors = [t for t in tree_leaves(values) if isinstance(t, torch.Tensor)]
+        return tuple(dict.fromkeys(n for t in tensors for n in self.came_from.get(id(t), ())))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        came = self.sources((args, kwargs))
+        name = getattr(func, "__name__", "")
+        if name == "__setitem__" or name.endswith("_") and not name.startswith("__"):
+            self.mark(args[0], came)  # written in place
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.mark(t, came)
+        return out
+
+
+class _FlowTrace(Trace):
+    """A shapes-only trace that notes, for each record, the records its tensor derives from."""
+
+    def __init__(self, flow: _Flow):
+        super().__init__(keep_values=False)
+        self.flow, self.edges = flow, []
+
+    def record(self, name, op, tensor, macs=0):
+        self.edges += [(src, name) for src in self.flow.came_from.get(id(tensor), ())]
+        self.flow.mark(tensor, (name,))
+        return super().record(name, op, tensor, macs)
+
+
+@functools.lru_cache(maxsize=32)
+def block_flow(config: Config) -> tuple[tuple[str, str], ...]:
+    """Layer 0's data flow as the forward pass computes it: (source, record) pairs of names
+    within the layer, "x" for the block's input (the embedding for layer 0), in the order the
+    records were made. Found by running one layer of each kind on the meta device and following
+    which recorded tensors each recorded tensor derives from: whatever a family records is on
+    the map, with the edges its code gives it."""
+    from .model import meta_model
+
+    kinds = tuple(dict.fromkeys(config.layer_types))  # () when every layer is alike
+    one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds))
+    with _Flow() as flow:
+        trace = _FlowTrace(flow)
+        one.forward(torch.zeros(1, 2, dtype=torch.long), trace, one.new_cache(2))
+
+    def within(name: str) -> str | None:
+        return name[len("layers.0."):] if name.startswith("layers.0.") else None
+
+    edges = []
+    for src, dst in trace.edges:
+        if within(dst) is not None:
+            edges.append(("x" if within(src) is None else within(src), within(dst)))
+    return tuple(dict.fromkeys(edges))
+
+
+def _block_edges(trace) -> tuple[tuple[str, str], ...]:
+    config = getattr(trace, "config", None)
+    if config is None:
+        raise LlmTraceError("the trace does not say which model made it: map the trace of a "
+                            "forward pass (model.run or trace_shapes)")
+    return block_flow(config)
+
+
+def _block_input(trace) -> str:
+    """The record the block's input comes from: the embedding, scaled if the family scales it."""
+    return "embed.scaled" if "embed.scaled" in trace else "embed"
+
 
 # The whole pass: stage -> (what the node says, the record whose shape leaves it)
 PASS = [
@@ -73,7 +140,8 @@ def machine_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
     if not layers:
         raise LlmTraceError("the trace holds no layers: map a forward pass's trace (model.run)")
     L, V = len(layers), trace.shape("lm_head")[-1]
-    block_lit = any(_lit(a, highlight) or _lit(b, highlight) for a, b in BLOCK_EDGES)
+    edges = _block_edges(trace)
+    block_lit = any(_lit(a, highlight) or _lit(b, highlight) for a, b in edges)
 
     out = ['digraph machine {', '  rankdir=TB; nodesep=0.25; ranksep=0.32;',
            '  node [shape=box fontname="Helvetica" fontsize=11 margin="0.12,0.04" height=0.3];',
@@ -96,12 +164,12 @@ def machine_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
     # one block, layer 0: every record, every edge labelled with its tensor's shape
     out.append(f'  subgraph cluster_block {{ label="one block (layer 0 of {L})"; '
                f'fontname="Helvetica"; color="#bdbdbd"; ordering=out;')
-    nodes = list(dict.fromkeys(n for edge in BLOCK_EDGES for n in edge))  # in data-flow order
+    nodes = list(dict.fromkeys(n for edge in edges for n in edge))  # in data-flow order
     for n in nodes:
         label = "block input x" if n == "x" else n
         out.append(f'    "b.{n}" [label="{label}" {LIT if _lit(n, highlight) else PLAIN}];')
-    for a, b in BLOCK_EDGES:
-        src = "embed" if a == "x" else f"layers.0.{a}"
+    for a, b in edges:
+        src = _block_input(trace) if a == "x" else f"layers.0.{a}"
         style = ' style="dashed"' if (a, b) in RESIDUAL else ""
         out.append(f'    "b.{a}" -> "b.{b}" [label=" {_fmt_shape(trace.shape(src))}"{style}];')
     out.append('  }')
@@ -129,6 +197,23 @@ MLP_STEPS = [
     ("mlp", "SwiGLU MLP", ["mlp.gate", "mlp.up", "mlp.act", "mlp.gated", "mlp.down"]),
     ("resid_out", "+ x", ["resid_out"]),
 ]
+
+
+def _steps(trace) -> tuple[list, list]:
+    """ATTN_STEPS and MLP_STEPS with every other record of the block in a step: the step of the
+    record it is computed from (Qwen2's q_bias joins q, k, v), else of the one it feeds (a
+    window mask joins the scores)."""
+    edges = _block_edges(trace)
+    recorded = {n for edge in edges for n in edge} - {"x"}
+    group = {n: key for key, _, names in ATTN_STEPS + MLP_STEPS for n in names if n in recorded}
+    for a, b in edges + tuple((b, a) for a, b in edges):  # sources first, then consumers
+        if b not in group and a in group and b != "x":
+            group[b] = group[a]
+    steps = [[(key, text, [n for n, k in group.items() if k == key]) for key, text, _ in part]
+             for part in (ATTN_STEPS, MLP_STEPS)]
+    return tuple([step for step in part if step[2]] for part in steps)  # OLMo 2: no pre-norm
+
+
 SHORT_PASS = {"prompt": "text", "tokens": "tokens", "embed": "embed", "final_norm": "RMSNorm",
               "lm_head": "LM head", "last": "logits[-1]", "sample": "sample", "token": "token"}
 
@@ -142,7 +227,8 @@ def compact_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
     if not layers:
         raise LlmTraceError("the trace holds no layers: map a forward pass's trace (model.run)")
     L = len(layers)
-    block_lit = any(_lit(n, highlight) for _, _, names in ATTN_STEPS + MLP_STEPS
+    attn_steps, mlp_steps = _steps(trace)
+    block_lit = any(_lit(n, highlight) for _, _, names in attn_steps + mlp_steps
                     for n in names)
 
     out = ['digraph machine {', '  rankdir=LR; nodesep=0.1; ranksep=0.15;',
@@ -154,12 +240,12 @@ def compact_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
     if block_lit:
         out.append(f'  subgraph cluster_block {{ label="one block of {L}, folded"; '
                    'fontname="Helvetica"; fontsize=10; color="#bdbdbd";')
-        for steps in (ATTN_STEPS, MLP_STEPS):
+        for steps in (attn_steps, mlp_steps):
             for key, text, names in steps:
                 lit = any(_lit(n, highlight) for n in names)
                 out.append(f'    "b.{key}" [label="{text}" {LIT if lit else PLAIN}];')
             out.append("    " + " -> ".join(f'"b.{key}"' for key, _, _ in steps) + ";")
-        out.append('    "b.resid_mid" -> "b.mlp_norm" [constraint=false];')
+        out.append(f'    "b.resid_mid" -> "b.{mlp_steps[0][0]}" [constraint=false];')
         out.append('  }')
     out.append('  subgraph cluster_pass { label="the whole pass"; fontname="Helvetica"; '
                'fontsize=10; color="#bdbdbd";')

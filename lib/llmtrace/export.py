@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import hf_name
+from .weights.names import hf_name
 from .errors import LlmTraceError, first_line
 from .model import Model, state_dict_from_weights, weights_from_state_dict
 from .trace import Record, Trace, _dtype_name

@@ -44,7 +44,8 @@ def embedded_checkpoint(rebuild: bool = False) -> Path:
 
 def _convert_embedded(gguf: Path, target: Path) -> None:
     from .disk_cache import atomic_path, check_writable, write_manifest
-    from .config import Config, expected_shapes
+    from .config import Config
+    from .weights.names import expected_shapes
     from .weights.gguf import load_gguf
     from .weights.hf import save_hf
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .attention import Positions, attention
 from .check import check_ids
-from .config import LAYER_TENSORS, MODEL_TENSORS, Config, expected_shapes, hf_name
+from .config import Config
 from .embed import embed
 from .errors import LlmTraceError
 from .kv_cache import KVCache
@@ -23,24 +23,25 @@ from .memory import check_budget, keep_freed_memory_if_asked, needs_estimate
 from .mlp import swiglu
 from .norm import rms_norm
 from .trace import NO_TRACE, Patched, Trace
+from .weights.names import LAYER_TENSORS, MODEL_TENSORS, expected_shapes, hf_name
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LayerWeights:
-    attn_norm: torch.Tensor  # [D]
+    attn_norm: torch.Tensor | None = None  # [D]   (None: no norm before a sublayer, OLMo 2)
     q_proj: torch.Tensor  # [H*hd, D]   (out, in), as F.linear takes it
     k_proj: torch.Tensor  # [KV*hd, D]
     v_proj: torch.Tensor  # [KV*hd, D]
     o_proj: torch.Tensor  # [D, H*hd]
-    mlp_norm: torch.Tensor  # [D]
+    mlp_norm: torch.Tensor | None = None  # [D]
     gate: torch.Tensor  # [F, D]
     up: torch.Tensor  # [F, D]
     down: torch.Tensor  # [D, F]
     q_bias: torch.Tensor | None = None  # [H*hd]   qkv_bias (Qwen2)
     k_bias: torch.Tensor | None = None  # [KV*hd]
     v_bias: torch.Tensor | None = None  # [KV*hd]
-    q_norm: torch.Tensor | None = None  # [hd]     qk_norm (Qwen3)
-    k_norm: torch.Tensor | None = None  # [hd]
+    q_norm: torch.Tensor | None = None  # [hd]     qk_norm (Qwen3); [H*hd] over the projection
+    k_norm: torch.Tensor | None = None  # [hd]     ([KV*hd], OLMo 2)
     post_attn_norm: torch.Tensor | None = None  # [D]  (sandwich_norm: Gemma)
     post_mlp_norm: torch.Tensor | None = None  # [D]
 
@@ -106,15 +107,16 @@ def mlp_sublayer(h, w: LayerWeights, config, trace=NO_TRACE, name="layers.0") ->
 def block(x, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE,
           name="layers.0") -> torch.Tensor:
     """One block, pre-norm: h = x + attention(norm(x)), then h + mlp(norm(h)).
-    sandwich_norm (Gemma): a norm after each sublayer too, before the add."""
+    sandwich_norm (Gemma): a norm after each sublayer too, before the add.
+    OLMo 2 has only those after (pre_norm off): h = x + norm(attention(x))."""
     eps, off = config.norm_eps, config.norm_offset
     h = rms_norm(x, w.attn_norm, eps, trace, f"{name}.attn_norm",
-                 off)  # [B, T, D]
+                 off) if config.pre_norm else x  # [B, T, D]
     h = attn_sublayer(h, w, config, pos, cache, trace, name)  # [B, T, D]
     x = trace.record(f"{name}.resid_mid", "x + attn(attn_norm(x))",
                      x + h)  # [B, T, D]
     h = rms_norm(x, w.mlp_norm, eps, trace, f"{name}.mlp_norm",
-                 off)  # [B, T, D]
+                 off) if config.pre_norm else x  # [B, T, D]
     h = mlp_sublayer(h, w, config, trace, name)  # [B, T, D]
     return trace.record(f"{name}.resid_out", "h + mlp(mlp_norm(h))",
                         x + h)  # [B, T, D]
@@ -205,6 +207,7 @@ class Model:
         the trace records what flowed on."""
         ids = self.ids(prompt)  # [1, T]
         trace = Trace(keep_values=keep_values, names=names, label="prefill")
+        trace.config = self.config  # the model that made it, whose data flow `diagram` draws
         check_trace_budget(self.config, trace, ids.shape[1])
         flow = Patched(patch, trace, self.config.vocab_size) if patch is not None else trace
         logits = self.forward(ids, flow, self.new_cache(ids.shape[1]))  # [1, T, V]
@@ -240,6 +243,7 @@ def trace_shapes(config: Config | str, prompt: int | torch.Tensor = 6, decode_st
     B, T = ids.shape
     cache = model.new_cache(T + decode_steps, B)
     traces = [Trace(keep_values=False, label=label)]
+    traces[0].config = model.config  # as `Model.run` says, for `diagram`
     model.forward(ids, traces[0], cache, start=0)
     for step in range(1, decode_steps + 1):
         traces.append(Trace(keep_values=False, label=f"decode {step}"))
@@ -253,23 +257,24 @@ BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "bool": 1}
 
 
 def estimate_trace_bytes(config: Config, T: int, S: int | None = None) -> int:
-    """Bytes of a trace that keeps every value, for T new positions attending to S (default T),
-    counted from the records a layer makes (fp32): what grows with T (projections, norms, the
-    MLP's four [T, F] tensors), with S (the cache and its expanded K, V) and with T x S (scores,
-    mask, masked scores, weights: the part that makes long prompts expensive). A test holds it
-    equal to the count `trace_bytes` makes from a meta pass, and to a real trace's."""
+    """Bytes of a trace that keeps every value, for T new positions attending to S (default T):
+    the records of a shapes-only pass on the meta device of one layer of each kind (each layer
+    records the shapes of its kind; Gemma 3 has two), each layer's counted once per layer it
+    stands for, and the records outside the layers once. Whatever a switch adds to the trace is
+    counted because the pass records it. A test holds it equal to a real trace's bytes."""
     S = T if S is None else S
-    D, F, V = config.hidden_size, config.ffn_size, config.vocab_size
-    q, kv, H = config.n_heads * config.head_dim, config.kv_size, config.n_heads
-    per_layer = (T * (6 * D + 5 * q + 5 * kv + 4 * F + 2) + S * 2 * (kv + q)
-                 + T * S * (3 * H + 1))
-    per_layer += (T * (q + 2 * kv) * config.qkv_bias  # the biased projections
-                  + T * (q + kv + H + config.n_kv_heads) * config.qk_norm  # norms, mean_sq
-                  + 2 * T * (D + 1) * config.sandwich_norm)  # Gemma's norms after sublayers
-    windows = sum(map(config.is_sliding, range(config.n_layers)))  # layers with a window mask
-    outside = T * (2 * D + 1 + V) + 2 * T  # embed, final norm, lm_head; int64 token ids
-    outside += T * D * config.embed_scale  # Gemma's scaled embedding
-    return 4 * (config.n_layers * per_layer + windows * T * S + outside)
+    kinds = tuple(dict.fromkeys(config.layer_types))  # () when every layer is alike
+    one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds,
+                                    max_positions=max(config.max_positions, S)))  # a bound
+    copies = [config.layer_types.count(kind) for kind in kinds] or [config.n_layers]
+    trace = Trace(keep_values=False)
+    one.forward(torch.zeros(1, T, dtype=torch.long), trace, one.new_cache(S), start=S - T)
+    total = 0
+    for r in trace:
+        layer = int(r.name.split(".")[1]) if r.name.startswith("layers.") else None
+        total += BYTES.get(r.dtype, 4) * math.prod(r.shape) * (
+            1 if layer is None else copies[layer])
+    return total
 
 
 def trace_bytes(config: Config, trace: Trace, T: int, decode_steps: int = 0) -> int:

@@ -11,8 +11,8 @@ compares what it returns with what the stage produced, prints one line and retur
 False: ✓ what matched and to what tolerance; ✗ the first difference, with a hint when the result
 is a common mistake's; … while `fn` is still a stub (its body `...`, `pass` or `raise
 NotImplementedError`). It never raises (KeyboardInterrupt aside). `solution(name)` returns a
-reference function that passes on every family the library computes; its docstring is the
-exercise. `CHAPTERS[name]` is the chapter an exercise belongs to, `SIZES[name]` the lines of its
+reference function that passes on every family the library computes (OLMo 2 aside: no norm
+before its sublayers); its docstring is the exercise. `CHAPTERS[name]` is the chapter an exercise belongs to, `SIZES[name]` the lines of its
 reference solution.
 
 Each chapter's file (`ch04_rmsnorm.py`...) holds its exercises: the solution, the check's case

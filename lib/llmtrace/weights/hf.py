@@ -9,7 +9,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config, expected_shapes, read_json
+from ..config import Config
+from ..families._read import read_json
+from .names import expected_shapes
 from ..errors import LlmTraceError, first_line
 from ..tokenize import HFTokenizer, SentencePieceTokenizer
 

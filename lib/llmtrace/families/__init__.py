@@ -1,0 +1,164 @@
+"""Each family the library computes, in a home of its own: one module per HF `model_type`, each
+holding one `Family` entry: its HF classes, the switches of `Config` it implies, HF's default for
+each key its config.json may leave out, how those keys are read into `Config`'s fields and
+written back (`Config.to_hf`), and its refusals. The compute code never asks which family runs;
+it reads the switches.
+
+To add a family: write `families/<name>.py` holding `FAMILY = Family(...)` (copy the nearest
+one), add its line to `REGISTRY` below. If it brings a mechanism no family had, add the switch
+to `Config` (its default is Llama's; validated there), its stage lines where the block computes
+it (`if config.<switch>:`, which the book's listings leave out for Llama), its weights' shapes in
+`weights/names.py`, and name it in `SWITCHES` here (the book's listings read it). Then one row in
+`tests/tiny_checkpoint.py`'s `ROWS` (HF's classes, a tiny config.json, the switches to turn
+off, the records only it has): the parity, map and shape tests read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..config import FIELD_DEFAULTS, Config, config_problems
+from ..errors import LlmTraceError
+from ._read import HFKeys, common_fields, llama_hf, plain_rope, read_hf_config, rope_kind
+
+
+def _nothing(*_) -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # HF's model_type, the key of the registry and `Config.family`
+    label: str  # what a reader calls it, for the list of families computed
+    model_class: str  # HF's model class: "LlamaForCausalLM"
+    config_class: str  # HF's config class: "LlamaConfig"
+    defaults: dict  # what HF's config class gives a key config.json leaves out (a test checks)
+    switches: dict = field(default_factory=dict)  # Config fields the family always sets so
+    varies: tuple = ()  # switches each model of the family sets (read by `read`)
+    read: Callable[[HFKeys], dict] = plain_rope  # the family's own fields from its config.json
+    write: Callable[[Config, dict], dict] = lambda c, hf: hf  # Llama's config.json made its own
+    refuse: Callable[[dict, str], None] = _nothing  # raise on settings the family has but
+    # llmtrace does not compute
+    biased: tuple = ()  # keys that, true, add a bias llmtrace does not compute
+    not_null: tuple = ()  # NULLABLE keys HF's class types as int: a null is refused
+
+
+from . import gemma3, llama, mistral, olmo2, qwen2, qwen3  # noqa: E402  (they import Family)
+
+# model_type -> its entry: one line per family
+REGISTRY: dict[str, Family] = {f.model_type: f for f in (
+    llama.FAMILY,
+    mistral.FAMILY,
+    qwen2.FAMILY,
+    qwen3.FAMILY,
+    gemma3.FAMILY,
+    olmo2.FAMILY,
+)}
+# the fields of Config that only some families set; a family sets each to its default, to the
+# value in its `switches`, or (in `varies`) to what its config.json says
+SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "norm_offset",
+            "sandwich_norm", "pre_norm", "mlp_act", "embed_scale", "attn_scale", "layer_types",
+            "rope_local_theta")
+COMPUTED = ("llmtrace computes dense Llama-family models "
+            f"({', '.join(f.label for f in REGISTRY.values())})")
+# model_types refused by name, for what they compute instead of a dense Llama block
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "dbrx",
+       "granitemoe", "phimoe", "jamba", "llama4", "gpt_oss")
+MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+SOFTCAP = ("gemma2",)
+NOT_TEXT = {"gemma3": gemma3.WITH_VISION}  # a family's text model is computed, not this one
+
+
+def family_of(model_type: str, where: str) -> Family:
+    """The registry's entry for a config.json's model_type, or one line saying why none."""
+    if model_type in NOT_TEXT:
+        raise LlmTraceError(f"{where}: {NOT_TEXT[model_type]}")
+    if model_type not in REGISTRY:
+        raise LlmTraceError(f"{where}: model_type {model_type!r} is not a Llama-family model: "
+                            f"{COMPUTED}")
+    return REGISTRY[model_type]
+
+
+def read_hf(source, name: str | None) -> dict:
+    """`Config`'s fields from a config.json (`Config.from_hf`): what every family reads alike,
+    then the family's switches and its own keys, all checked by the key they came from."""
+    c, where, name = read_hf_config(source, name)
+    refuse_unsupported(c, where)  # first: it names what a refused model_type lacks
+    family = family_of(c.get("model_type", "llama"), where)
+    for key in family.biased:
+        if c.get(key):
+            raise LlmTraceError(f"{where}: {key}=true (projections with a bias vector) is not "
+                                f"implemented, only Qwen2's bias on Q, K and V: {COMPUTED}")
+    family.refuse(c, where)
+    keys = HFKeys(c, where, family)
+    fields = {**common_fields(keys), **family.switches, **family.read(keys)}
+    fields["name"] = name if name is not None else c.get("_name_or_path") or "hf-model"
+    problems = config_problems({**FIELD_DEFAULTS, **fields}, keys.key)
+    if problems:
+        raise LlmTraceError(keys.problems_said(problems))
+    return fields
+
+
+def check_switches(c: Config, family: Family) -> None:
+    """Refuse a switch the family's HF class does not compute as set: written as that family,
+    it would be a different model."""
+    for name in SWITCHES:
+        value, default = getattr(c, name), FIELD_DEFAULTS[name]
+        if name in family.switches and value != family.switches[name]:
+            raise LlmTraceError(f"config {c.name!r}: {name}={value!r}, but HF's "
+                                f"{family.model_class} always computes "
+                                f"{name}={family.switches[name]!r}: set it so, or another family")
+        if name not in family.switches and name not in family.varies and value != default:
+            those = [f.model_type for f in REGISTRY.values()
+                     if name in f.varies or f.switches.get(name, default) == value]
+            raise LlmTraceError(f"config {c.name!r}: {name}={value!r} set with family "
+                                f"{c.family!r}: HF's {family.model_class} does not compute it; "
+                                f"set family to one that does ({', '.join(those) or 'none'})")
+
+
+def write_hf(c: Config) -> dict:
+    """The config.json of the family's HF class for this config (`Config.to_hf`)."""
+    if c.family not in REGISTRY:
+        raise LlmTraceError(f"config {c.name!r}: family {c.family!r} has no Hugging "
+                            f"Face class here: use one of {', '.join(REGISTRY)}")
+    family = REGISTRY[c.family]
+    check_switches(c, family)
+    return family.write(c, {"architectures": [family.model_class], **llama_hf(c)})
+
+
+def refuse_unsupported(c: dict, where: str) -> None:
+    """Settings that change what the model computes, which this forward pass does not implement:
+    running such a checkpoint would print wrong logits as if they were right."""
+    family = c.get("model_type", "llama")
+    experts = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if isinstance(c.get(k), int) and c[k] > 0), None)
+    if experts or family in MOE:
+        what = f"{experts}={c[experts]}" if experts else f"model_type {family!r}"
+        raise LlmTraceError(f"{where}: a mixture of experts ({what}: each token goes through a "
+                            f"few of many MLPs) is not implemented: {COMPUTED}")
+    latent = next((k for k in ("kv_lora_rank", "q_lora_rank") if c.get(k)), None)
+    if latent or family in MLA:
+        what = f"{latent}={c[latent]}" if latent else f"model_type {family!r}"
+        raise LlmTraceError(f"{where}: multi-head latent attention ({what}: K and V rebuilt "
+                            f"from a small latent) is not implemented: {COMPUTED}")
+    capped = next((k for k in ("attn_logit_softcapping", "final_logit_softcapping")
+                   if c.get(k)), None)
+    if capped or family in SOFTCAP:
+        what = f"{capped}={c[capped]}" if capped else f"model_type {family!r}"
+        raise LlmTraceError(f"{where}: attention logit soft-capping ({what}: scores squashed "
+                            f"by tanh) is not implemented: {COMPUTED}")
+    kind, _ = rope_kind(c)
+    if kind not in ("default", "llama3"):
+        raise LlmTraceError(f"{where}: rope_scaling of type {kind!r} (RoPE stretched for long "
+                            f"contexts) is not implemented, only Llama 3's 'llama3': {COMPUTED}")
+    rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
+    for label, params in (("partial_rotary_factor", c), ("rope_parameters.partial_rotary_factor",
+                                                         rope)):
+        if params.get("partial_rotary_factor", 1.0) not in (1, 1.0):
+            raise LlmTraceError(f"{where}: {label}={params['partial_rotary_factor']!r} (RoPE on "
+                                f"part of each head) is not implemented: {COMPUTED}")
+    act = c.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise LlmTraceError(f"{where}: hidden_act {act!r} is not implemented (the MLP is SwiGLU, "
+                            f"with SiLU): {COMPUTED}")

@@ -1,0 +1,88 @@
+"""The one table of the weights' names, beside the loaders that read them: each weight's Hugging
+Face name and GGUF name, and the shape a config implies for it. Loaders, converters, shapes and
+costs all read it.
+"""
+
+from __future__ import annotations
+
+from ..config import Config
+
+
+# The one table of the weights' names. A layer's tensors: `LayerWeights` field -> (its Hugging Face
+# name after "model.layers.N.", its GGUF name after "blk.N."); then the tensors outside the layers:
+# `Weights` field -> (HF name, GGUF name). Loaders, converters, shapes and costs all read it.
+LAYER_TENSORS = {
+    "attn_norm": ("input_layernorm.weight", "attn_norm.weight"),
+    "q_proj": ("self_attn.q_proj.weight", "attn_q.weight"),
+    "k_proj": ("self_attn.k_proj.weight", "attn_k.weight"),
+    "v_proj": ("self_attn.v_proj.weight", "attn_v.weight"),
+    "o_proj": ("self_attn.o_proj.weight", "attn_output.weight"),
+    "mlp_norm": ("post_attention_layernorm.weight", "ffn_norm.weight"),
+    "gate": ("mlp.gate_proj.weight", "ffn_gate.weight"),
+    "up": ("mlp.up_proj.weight", "ffn_up.weight"),
+    "down": ("mlp.down_proj.weight", "ffn_down.weight"),
+    # a family's extras, only in configs whose switch is on (`tensor_shapes`)
+    "q_bias": ("self_attn.q_proj.bias", "attn_q.bias"),  # qkv_bias (Qwen2)
+    "k_bias": ("self_attn.k_proj.bias", "attn_k.bias"),
+    "v_bias": ("self_attn.v_proj.bias", "attn_v.bias"),
+    "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),  # qk_norm (Qwen3)
+    "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+    # Gemma 3's norms after each sublayer (`sandwich_norm`)
+    "post_attn_norm": ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+    "post_mlp_norm": ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+}
+# With a norm after each sublayer, HF's "post_attention_layernorm" is that norm after attention,
+# and the norm before the MLP has a name of its own
+SANDWICH_HF_NAMES = {"mlp_norm": "pre_feedforward_layernorm.weight"}
+MODEL_TENSORS = {
+    "embed": ("model.embed_tokens.weight", "token_embd.weight"),
+    "final_norm": ("model.norm.weight", "output_norm.weight"),
+    "lm_head": ("lm_head.weight", "output.weight"),
+}
+
+
+def hf_name(field: str, layer: int | None = None, c: Config | None = None) -> str:
+    """A weight's Hugging Face name: hf_name("q_proj", 3) is
+    model.layers.3.self_attn.q_proj.weight. Give the config for a name that depends on it."""
+    if layer is None:
+        return MODEL_TENSORS[field][0]
+    name = LAYER_TENSORS[field][0]
+    if c is not None and c.sandwich_norm:
+        name = SANDWICH_HF_NAMES.get(field, name)
+    return f"model.layers.{layer}.{name}"
+
+
+def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
+    """The shape the config implies for each field of `Weights` and `LayerWeights` this config
+    has, in model order: a tied LM head has no tensor of its own, a family's extras appear only
+    when its switch is on."""
+    D, hd, V, F = c.hidden_size, c.head_dim, c.vocab_size, c.ffn_size
+    shapes = {"embed": (V, D), "attn_norm": (D,)} if c.pre_norm else {"embed": (V, D)}
+    shapes.update(q_proj=(c.n_heads * hd, D), k_proj=(c.kv_size, D), v_proj=(c.kv_size, D))
+    if c.qkv_bias:
+        shapes.update(q_bias=(c.n_heads * hd,), k_bias=(c.kv_size,), v_bias=(c.kv_size,))
+    if c.qk_proj_norm:  # OLMo 2: one weight over the whole projection
+        shapes.update(q_norm=(c.n_heads * hd,), k_norm=(c.kv_size,))
+    if c.qk_norm:  # one weight per head dimension, shared by every head
+        shapes.update(q_norm=(hd,), k_norm=(hd,))
+    shapes["o_proj"] = (D, c.n_heads * hd)
+    if c.sandwich_norm:  # Gemma: a norm after attention
+        shapes["post_attn_norm"] = (D,)
+    if c.pre_norm:
+        shapes["mlp_norm"] = (D,)
+    shapes.update({"gate": (F, D), "up": (F, D), "down": (D, F)})
+    if c.sandwich_norm:  # and after the MLP
+        shapes["post_mlp_norm"] = (D,)
+    shapes["final_norm"] = (D,)
+    if not c.tied_lm_head:
+        shapes["lm_head"] = (V, D)
+    return shapes
+
+
+def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
+    """Every weight's Hugging Face name and the shape the config implies."""
+    shapes = tensor_shapes(c)
+    out = {hf_name(f): shapes[f] for f in MODEL_TENSORS if f in shapes}
+    for i in range(c.n_layers):
+        out.update({hf_name(f, i, c): shapes[f] for f in LAYER_TENSORS if f in shapes})
+    return out
