@@ -180,6 +180,7 @@ _RUNNING: list = [None]  # the config of the model `start_chapter` loaded: its l
 _SWITCH_ATTRS = {"pos.base": ("layer_types", 0.0), "pos.local": ("layer_types", None),
                  "pos.window": ("sliding_window", None), "pos.rope": ("no_rope_layers", True),
                  "pos.rotary_dim": ("partial_rotary_factor", None), "w.moe": ("n_experts", None)}
+_SWITCH_ATTRS.update({"w.sinks": ("attn_sinks", None), "w.o_bias": ("o_bias", None)})
 _SWITCH_NAMES = {  # per function: its parameters and locals that carry a switch
     "rms_norm": {"offset": ("norm_offset", False)},
     "embed": {"scale": ("embed_scale", False)},

@@ -323,7 +323,7 @@ def hf_attention():
 
 
 def attn_weights(layer):
-    return SimpleNamespace(**{n: getattr(layer, n).weight for n in (
+    return SimpleNamespace(sinks=None, o_bias=None, **{n: getattr(layer, n).weight for n in (
         "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")})
 
 

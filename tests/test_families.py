@@ -39,10 +39,13 @@ def family(request, tmp_path_factory):
 
 def weights_for(c: Config, w):
     """The weights with a gain of 1 for each norm the config `c` has and they lack (a switch
-    turned off that moves OLMo 2's norms before the sublayers)."""
+    turned off that moves OLMo 2's norms before the sublayers), and without the tensors of a
+    switch turned off that the attention reads from the weights (gpt-oss's sinks, o_proj's
+    bias)."""
     shapes = tensor_shapes(c)
     layers = [dataclasses.replace(lw, **{f: torch.ones(shapes[f]) for f in ("attn_norm", "mlp_norm")
-                                         if f in shapes and getattr(lw, f) is None})
+                                         if f in shapes and getattr(lw, f) is None},
+                                  **{f: None for f in ("sinks", "o_bias") if f not in shapes})
               for lw in w.layers]
     return dataclasses.replace(w, layers=layers)
 
@@ -141,8 +144,10 @@ def test_config_round_trip_through_hf(f):
 
 
 def test_configs_hf_cannot_compute_are_refused():
-    with pytest.raises(LlmTraceError, match=r"rope_scaling=\{'rope_type': 'yarn'.* is not Llama"):
+    with pytest.raises(LlmTraceError, match=r"rope_scaling of type 'yarn' needs a positive fac"):
         Config.from_name("llama-3.2-1b").replace(rope_scaling={"rope_type": "yarn"})
+    with pytest.raises(LlmTraceError, match=r"rope_scaling=\{'rope_type': 'dynamic'.* is not Ll"):
+        Config.from_name("llama-3.2-1b").replace(rope_scaling={"rope_type": "dynamic"})
     with pytest.raises(LlmTraceError, match="qk_norm=True set with family 'llama': HF's Llama"):
         Config.from_name("tinyllama").replace(qk_norm=True).to_hf()
     with pytest.raises(LlmTraceError, match="sliding_window=8 set with family 'qwen3'"):

@@ -133,7 +133,7 @@ def test_a_gemma_listing_keeps_its_switches(fn, gemma):
     for line in src.splitlines():
         if any(s in line for s in ("qk_norm", "pos.base", "norm_offset", "attn_scale")) and \
                 "OLMo" not in line:
-            assert line in code.splitlines(), line
+            assert line.replace(", w.sinks)", ")") in code.splitlines(), line  # gpt-oss's goes
 
 
 def test_a_switch_the_model_sets_keeps_only_its_own_lines(llama):

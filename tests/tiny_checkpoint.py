@@ -52,6 +52,8 @@ MOE = frozenset({"mlp.router", "mlp.router_probs", "mlp.experts_chosen", "mlp.ex
 DENSE_MLP = frozenset({"mlp.gate", "mlp.up", "mlp.act", "mlp.gated", "mlp.down"})
 QWEN3_MOE = {**SHARP, "head_dim": 24, "num_experts": 4, "num_experts_per_tok": 2,
              "moe_intermediate_size": 48}
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32}
 ROWS = {
     "llama": Row("LlamaConfig", "LlamaForCausalLM", TINY),
     "llama3": Row("LlamaConfig", "LlamaForCausalLM", {**SHARP, "rope_parameters": LLAMA3_ROPE},
@@ -109,6 +111,21 @@ ROWS = {
         off=({"moe_renormalize": True}, {"moe_router": "topk_softmax"}, {"qk_norm": False},
              {"sliding_window": 0}),
         records=QK_NORM | {"attn.window_mask"}),  # layer 0 is dense
+    # gpt-oss: sinks, biases on Q, K, V and O, a sliding layer (window 4) then a full one, both
+    # turned by YaRN (8 times 32 positions: pairs kept, ramped and slowed within head_dim 16),
+    # 4 experts with biases, 2 chosen, their clamp at 0.5 (the tiny activations reach it)
+    "gpt_oss": Row("GptOssConfig", "GptOssForCausalLM",
+                   {**SHARP, "head_dim": 16, "intermediate_size": 32, "sliding_window": 4,
+                    "layer_types": ["sliding_attention", "full_attention"],
+                    "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 0.5,
+                    "rope_parameters": GPT_OSS_YARN},
+                   off=({"attn_sinks": False}, {"swiglu_limit": float("inf")},
+                        {"rope_scaling": ()}, {"qkv_bias": False, "o_bias": False},
+                        {"layer_types": ("full", "full")}),
+                   records=(MOE - {"mlp.router_probs"}) | {
+                       "attn.q_bias", "attn.k_bias", "attn.v_bias", "attn.window_mask",
+                       "attn.scores_with_sink", "attn.weights_with_sink"},
+                   lacks=DENSE_MLP),
 }
 
 
@@ -138,7 +155,7 @@ def make_tiny_checkpoint(directory: str | Path, seed: int = 0, family: str = "ll
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(*row.norms)
-            elif name.endswith(".bias"):  # HF initialises biases to 0
+            elif name.endswith((".bias", "_bias")):  # HF initialises biases to 0
                 p.normal_(0.0, 0.5)
     model.save_pretrained(d, safe_serialization=True)
     if config.vocab_size == 32000:

@@ -73,6 +73,9 @@ class Positions:
         window = window_mask(T, S, start, W, device) if W else None
         if not config.layer_types:  # every layer alike (Mistral: all slide)
             return cls(start, cos, sin, causal, window)
+        if not config.rope_local_theta:  # gpt-oss: the sliding layers turn as the full ones
+            return cls(start, cos, sin, causal, None, 0.0,
+                       cls(start, cos, sin, causal, window))
         # Gemma 3: full layers see every earlier key; sliding layers see
         # the window, and turn at a RoPE base of their own
         local = config.rope_local_theta or config.rope_theta
@@ -182,7 +185,7 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
                      f"{name}.k_norm", config.norm_offset)  # [B, T, KV, hd]
 
     # Position enters here, and only into Q and K: V carries content.
-    freq = "llama3-scaled freq" if config.rope_scaling else "freq"
+    freq = f"{config.rope_type}-scaled freq" if config.rope_scaling else "freq"
     if pos.base:  # Gemma 3: local and global layers turn at different bases
         freq += f" (base {pos.base:g})"
     if pos.rope:
@@ -218,12 +221,12 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
     v_exp = trace.record(f"{name}.v_expanded", f"GQA: {KV} -> {H} heads", v_exp)
 
     out = attend(q, k_exp, v_exp, pos.mask, trace, name, start, pos.window,
-                 config.attn_scale)  # [B, H, T, hd]
+                 config.attn_scale, w.sinks)  # [B, H, T, hd]
 
     if output_gate:  # Qwen3-Next: each head's output times the sigmoid of its gate
         out = trace.record(f"{name}.output_gate", "weighted_sum * sigmoid(gate)",
                            out * torch.sigmoid(gate).transpose(1, 2))  # [B, H, T, hd]
     out = out.transpose(1, 2).reshape(B, T, H * hd)  # [B, T, H*hd]
     out = trace.record(f"{name}.merged", "heads back side by side", out)
-    out = F.linear(out, w.o_proj)  # [B, T, D]
+    out = F.linear(out, w.o_proj, w.o_bias)  # [B, T, D]
     return trace.record(f"{name}.out", "merged @ W_o^T", out, B * T * H * hd * D)

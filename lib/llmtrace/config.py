@@ -68,9 +68,21 @@ def config_problems(v: dict, key=str) -> list[str]:
                         f"{v['sliding_window']}: give its width")
     problems += moe_problems(v, key)
     scaling = dict(v["rope_scaling"])
-    if scaling and (scaling.get("rope_type") != "llama3" or set(LLAMA3_KEYS) - set(scaling)):
+    if scaling.get("rope_type") == "yarn":  # gpt-oss: checked by the code that computes it
+        problems += yarn_problems(scaling, v["rope_theta"], key)
+    elif scaling and (scaling.get("rope_type") != "llama3" or set(LLAMA3_KEYS) - set(scaling)):
         problems.append(f"{key('rope_scaling')}={scaling} is not Llama 3's (rope_type 'llama3' "
-                        f"and {', '.join(LLAMA3_KEYS)})")
+                        f"and {', '.join(LLAMA3_KEYS)}) nor YaRN's (rope_type 'yarn')")
+    for field in ("attn_sinks", "o_bias"):
+        if v[field] is not True and v[field] is not False:
+            problems.append(f"{field}={v[field]!r} must be True or False")
+    for field in ("swiglu_limit", "swiglu_alpha"):
+        value = v[field]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            problems.append(f"{key(field)}={value!r} must be a positive number")
+    if v["mlp_act"] == "gpt_oss" and not v["n_experts"]:
+        problems.append("mlp_act='gpt_oss' is the clamped GLU of gpt-oss's experts: a dense "
+                        "MLP computes silu or gelu_tanh")
     return problems or shape_problems(v, key)  # the rest divides by a head count
 
 
@@ -106,6 +118,23 @@ def moe_problems(v: dict, key=str) -> list[str]:
     elif "moe" in kinds and not E:
         problems.append(f"{key('mlp_types')} has MoE layers but {key('n_experts')}=0")
     return problems
+
+
+def yarn_problems(s: dict, theta, key=str) -> list[str]:
+    """What makes a YaRN rope_scaling (gpt-oss) no RoPE computed here: a key rope.py does not
+    compute, a factor or original context missing, a number that is none."""
+    from .rope import yarn_checked
+
+    try:
+        yarn_checked(s, theta)
+    except LlmTraceError as e:
+        return [str(e)]  # it names the key
+    bad = [k for k in YARN_NUMBERS if s.get(k) is not None and (
+        isinstance(s[k], bool) or not isinstance(s[k], (int, float)) or not s[k] > 0)]
+    if "truncate" in s and not isinstance(s["truncate"], bool):
+        bad.append("truncate")
+    return [f"{key('rope_scaling')} {k}={s[k]!r} must be a positive number"
+            + (" (truncate: true or false)" if k == "truncate" else "") for k in bad]
 
 
 def shape_problems(v: dict, key=str) -> list[str]:
@@ -159,8 +188,8 @@ class Config:
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of Q and K, before RoPE
     qk_proj_norm: bool = False  # OLMo 2: RMSNorm over all of q_proj's [H*hd] (k_proj's too)
     sliding_window: int = 0  # Mistral: a query sees only its last W keys (0: all earlier ones)
-    # Llama 3.x: HF's rope_scaling as sorted (key, value) pairs, e.g. (("factor", 32.0), ...,
-    # ("rope_type", "llama3")); () is plain RoPE
+    # Llama 3.x (or YaRN, gpt-oss): HF's rope_scaling as sorted (key, value) pairs, e.g.
+    # (("factor", 32.0), ..., ("rope_type", "llama3")); () is plain RoPE
     rope_scaling: tuple = ()
     # Gemma 3's differences from Llama 2; each default is Llama 2's
     norm_offset: bool = False  # RMSNorm multiplies by (1 + weight): weights are stored around 0
@@ -179,6 +208,14 @@ class Config:
     moe_router: str = "softmax_topk"  # moe.ROUTERS: how the router's logits choose and weigh
     moe_renormalize: bool = True  # the k chosen weights rescaled to sum 1 (norm_topk_prob)
     mlp_types: tuple = ()  # per layer "dense" or "moe"; () = every layer MoE if n_experts
+    # gpt-oss's experts (mlp_act "gpt_oss", moe.gpt_oss_glu): gate clamped above, up on both
+    # sides, at swiglu_limit (inf: no clamp); gate * sigmoid(swiglu_alpha * gate)
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    # gpt-oss's attention: a learned sink logit per head beside every row of scores (rows of
+    # weights sum below 1), and a bias on the output projection (o_proj) beside Q, K and V's
+    attn_sinks: bool = False
+    o_bias: bool = False
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # as HF writes it: keep it hashable, in order
@@ -204,6 +241,11 @@ class Config:
         """Every id that ends a generation: eos_id, then stop_ids; () for a model that names none
         (its config.json says eos_token_id: null), which stops only at max_new_tokens."""
         return tuple(i for i in (self.eos_id, *self.stop_ids) if i is not None)
+
+    @property
+    def rope_type(self) -> str:
+        """How RoPE's frequencies are stretched: "default" (not), "llama3" or "yarn"."""
+        return dict(self.rope_scaling).get("rope_type", "default")
 
     def is_sliding(self, layer: int) -> bool:
         """Does this layer attend through a sliding window? Gemma 3 names each layer's kind;
@@ -262,7 +304,9 @@ class Config:
 
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 LLAMA3_KEYS = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
-MLP_ACTS = ("silu", "gelu_tanh")
+YARN_NUMBERS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                "attention_factor", "mscale", "mscale_all_dim")
+MLP_ACTS = ("silu", "gelu_tanh", "gpt_oss")  # gpt_oss: experts only
 MLP_TYPES = ("dense", "moe")
 
 

@@ -50,7 +50,8 @@ def parameter_table(c: Config) -> list[ParamRow]:
 def active_of(c: Config, field: str, shape: tuple) -> int:
     """Parameters of one copy of `field` a position reads: all (-1), but k of a mixture of
     experts' E stacked experts."""
-    if field in ("moe.gate", "moe.up", "moe.down"):  # [E, ...]: expert e's at [e]
+    if field in ("moe.gate", "moe.up", "moe.down", "moe.gate_bias", "moe.up_bias",
+                 "moe.down_bias"):  # [E, ...]: expert e's at [e] (gpt-oss: biases too)
         return math.prod(shape) // c.n_experts * c.n_experts_active
     return -1
 

@@ -21,10 +21,11 @@ from .errors import LlmTraceError
 from .kv_cache import KVCache
 from .memory import check_budget, keep_freed_memory_if_asked, needs_estimate
 from .mlp import swiglu
-from .moe import MoeWeights, hf_moe_weights, moe_mlp
+from .moe import MoeWeights, hf_gpt_oss_tensors, hf_moe_weights, moe_mlp
 from .norm import rms_norm
 from .trace import NO_TRACE, Patched, Trace
-from .weights.names import LAYER_TENSORS, MODEL_TENSORS, expected_shapes, hf_name, moe_hf_names
+from .weights.names import (FUSED_EXPERTS, LAYER_TENSORS, MODEL_TENSORS, expected_shapes, hf_name,
+                            moe_hf_names)
 
 
 @dataclass(kw_only=True)
@@ -45,6 +46,8 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None  # [hd]     ([KV*hd], OLMo 2)
     post_attn_norm: torch.Tensor | None = None  # [D]  (sandwich_norm: Gemma)
     post_mlp_norm: torch.Tensor | None = None  # [D]
+    sinks: torch.Tensor | None = None  # [H]   attn_sinks (gpt-oss): each head's sink logit
+    o_bias: torch.Tensor | None = None  # [D]   o_bias (gpt-oss)
     moe: MoeWeights | None = None  # a mixture of experts in place of gate, up, down (Mixtral)
 
 
@@ -85,7 +88,9 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
     for i, lw in enumerate(w.layers):
         sd.update({hf_name(f, i, c): getattr(lw, f) for f in LAYER_TENSORS
                    if getattr(lw, f) is not None})
-        if lw.moe is not None:  # each expert's matrix under its own name
+        if lw.moe is not None and c.mlp_act == FUSED_EXPERTS:  # gpt-oss: fused, as on disk
+            sd.update(hf_gpt_oss_tensors(lw.moe, f"model.layers.{i}"))
+        elif lw.moe is not None:  # each expert's matrix under its own name
             for field, names in moe_hf_names(c, i).items():
                 t = getattr(lw.moe, field.removeprefix("moe."))
                 sd.update({names: t} if isinstance(names, str) else dict(zip(names, t)))
@@ -108,7 +113,8 @@ def mlp_sublayer(h, w: LayerWeights, config, trace=NO_TRACE, name="layers.0") ->
     sandwich_norm (Gemma): normalized once more before the add."""
     if w.moe is not None:  # a mixture of experts: k of E expert MLPs (moe.py)
         h = moe_mlp(h, w.moe, config.n_experts_active, config.moe_router,
-                    config.moe_renormalize, config.mlp_act, trace=trace,
+                    config.moe_renormalize, config.mlp_act, config.swiglu_limit,
+                    config.swiglu_alpha, trace=trace,
                     name=f"{name}.mlp")  # [B, T, D]
     else:
         h = swiglu(h, w, trace, f"{name}.mlp", config.mlp_act)  # [B, T, D]

@@ -266,6 +266,21 @@ def hf_moe_weights(get, prefix: str, model_type: str, n_experts: int) -> MoeWeig
                       down=stack(down))
 
 
+def hf_gpt_oss_tensors(w: MoeWeights, prefix: str) -> dict[str, torch.Tensor]:
+    """The inverse of `hf_moe_weights` for gpt-oss: its fused tensors under their names on
+    disk, prefix "model.layers.3"."""
+    E, Fsz, D = w.gate.shape
+    p = f"{prefix}.mlp"
+    gate_up = torch.stack([w.gate, w.up], dim=-1)  # [E, F, D, 2]: gate, up side by side
+    gate_up = gate_up.permute(0, 2, 1, 3).reshape(E, D, 2 * Fsz)  # [E, D, 2F]: g0 u0 g1 u1
+    gate_up_bias = torch.stack([w.gate_bias, w.up_bias], dim=-1).reshape(E, 2 * Fsz)
+    return {f"{p}.router.weight": w.router, f"{p}.router.bias": w.router_bias,
+            f"{p}.experts.gate_up_proj": gate_up,
+            f"{p}.experts.gate_up_proj_bias": gate_up_bias,  # [E, 2F]
+            f"{p}.experts.down_proj": w.down.transpose(1, 2),  # [E, F, D]
+            f"{p}.experts.down_proj_bias": w.down_bias}  # [E, D]
+
+
 def hf_deepseek_moe_weights(get, prefix: str, model_type: str,
                             n_experts: int) -> MoeWeights:
     """DeepSeek-V2/V3's MoE layer from the names on disk: the experts as Qwen3-MoE's,

@@ -55,6 +55,7 @@ class Family:
 
 from . import gemma3, llama, mistral, olmo2, qwen2, qwen3  # noqa: E402  (they import Family)
 from . import mixtral, qwen3_moe  # noqa: E402  (mixtures of experts)
+from . import gpt_oss  # noqa: E402
 
 # model_type -> its entry: one line per family
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (
@@ -66,22 +67,25 @@ REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     olmo2.FAMILY,
     mixtral.FAMILY,
     qwen3_moe.FAMILY,
+    gpt_oss.FAMILY,
 )}
 # the fields of Config that only some families set; a family sets each to its default, to the
 # value in its `switches`, or (in `varies`) to what its config.json says
 SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "norm_offset",
             "sandwich_norm", "pre_norm", "mlp_act", "embed_scale", "attn_scale", "layer_types",
             "rope_local_theta", "n_experts", "n_experts_active", "moe_ffn_size", "moe_router",
-            "moe_renormalize", "mlp_types")
+            "moe_renormalize", "mlp_types", "attn_sinks", "o_bias", "swiglu_limit",
+            "swiglu_alpha")
 COMPUTED = ("llmtrace computes Llama-family models "
             f"({', '.join(f.label for f in REGISTRY.values())})")
 # model_types refused by name, for what they compute instead of a Llama block
 MOE = ("qwen2_moe", "deepseek_v2", "deepseek_v3", "olmoe", "dbrx", "granitemoe", "phimoe",
-       "jamba", "llama4", "gpt_oss")
+       "jamba", "llama4")
 # the families whose experts are computed (moe.py): their config.json's experts are read
 WITH_EXPERTS = tuple(f.model_type for f in REGISTRY.values() if "n_experts" in f.varies)
 MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 SOFTCAP = ("gemma2",)
+YARN = ("gpt_oss",)  # the families whose YaRN RoPE is computed (rope.yarn_frequencies)
 NOT_TEXT = {"gemma3": gemma3.WITH_VISION}  # a family's text model is computed, not this one
 
 
@@ -166,9 +170,10 @@ def refuse_unsupported(c: dict, where: str) -> None:
         raise LlmTraceError(f"{where}: attention logit soft-capping ({what}: scores squashed "
                             f"by tanh) is not implemented: {COMPUTED}")
     kind, _ = rope_kind(c)
-    if kind not in ("default", "llama3"):
+    if kind not in ("default", "llama3") and not (kind == "yarn" and family in YARN):
         raise LlmTraceError(f"{where}: rope_scaling of type {kind!r} (RoPE stretched for long "
-                            f"contexts) is not implemented, only Llama 3's 'llama3': {COMPUTED}")
+                            f"contexts) is not implemented, only Llama 3's 'llama3' (and "
+                            f"'yarn' for {', '.join(YARN)}): {COMPUTED}")
     rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
     for label, params in (("partial_rotary_factor", c), ("rope_parameters.partial_rotary_factor",
                                                          rope)):

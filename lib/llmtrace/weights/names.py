@@ -31,6 +31,9 @@ LAYER_TENSORS = {
     # Gemma 3's norms after each sublayer (`sandwich_norm`)
     "post_attn_norm": ("post_attention_layernorm.weight", "post_attention_norm.weight"),
     "post_mlp_norm": ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+    # gpt-oss: each head's sink logit (`attn_sinks`), the output projection's bias (`o_bias`)
+    "sinks": ("self_attn.sinks", "attn_sinks.weight"),
+    "o_bias": ("self_attn.o_proj.bias", "attn_output.bias"),
 }
 # With a norm after each sublayer, HF's "post_attention_layernorm" is that norm after attention,
 # and the norm before the MLP has a name of its own
@@ -38,6 +41,9 @@ SANDWICH_HF_NAMES = {"mlp_norm": "pre_feedforward_layernorm.weight"}
 # A mixture of experts' layer holds `LayerWeights.moe` (moe.MoeWeights) in place of gate, up and
 # down: its tensors' shapes are named "moe.<MoeWeights field>", its HF names `moe_hf_names`
 DENSE_MLP = ("gate", "up", "down")
+# gpt-oss's experts (mlp_act "gpt_oss") have biases, router included, and are stored fused as
+# HF's GptOssExperts holds them: gate and up interleaved on the last axis, each matrix x @ W
+FUSED_EXPERTS = "gpt_oss"
 MODEL_TENSORS = {
     "embed": ("model.embed_tokens.weight", "token_embd.weight"),
     "final_norm": ("model.norm.weight", "output_norm.weight"),
@@ -74,6 +80,17 @@ def moe_hf_names(c: Config, layer: int) -> dict[str, str | list[str]]:
     return names
 
 
+def fused_expert_shapes(c: Config, layer: int) -> dict[str, tuple[int, ...]]:
+    """gpt-oss's MoE layer as `save_pretrained` writes it (moe.hf_moe_weights reads it):
+    each HF name and its shape on disk."""
+    E, D, Fm = c.n_experts, c.hidden_size, c.moe_ffn_size
+    p = f"model.layers.{layer}.mlp"
+    return {f"{p}.router.weight": (E, D), f"{p}.router.bias": (E,),
+            f"{p}.experts.gate_up_proj": (E, D, 2 * Fm),  # g0 u0 g1 u1 ... on the last axis
+            f"{p}.experts.gate_up_proj_bias": (E, 2 * Fm),
+            f"{p}.experts.down_proj": (E, Fm, D), f"{p}.experts.down_proj_bias": (E, D)}
+
+
 def layers_holding(c: Config, field: str) -> int:
     """How many copies of a field the model holds: 1 outside the layers; the dense MLP's in
     its dense layers only, a MoE field's in its MoE layers."""
@@ -99,6 +116,10 @@ def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
     if c.qk_norm:  # one weight per head dimension, shared by every head
         shapes.update(q_norm=(hd,), k_norm=(hd,))
     shapes["o_proj"] = (D, c.n_heads * hd)
+    if c.o_bias:  # gpt-oss
+        shapes["o_bias"] = (D,)
+    if c.attn_sinks:  # one logit per query head
+        shapes["sinks"] = (c.n_heads,)
     if c.sandwich_norm:  # Gemma: a norm after attention
         shapes["post_attn_norm"] = (D,)
     if c.pre_norm:
@@ -109,6 +130,9 @@ def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
         E, Fm = c.n_experts, c.moe_ffn_size
         shapes.update({"moe.router": (E, D), "moe.gate": (E, Fm, D), "moe.up": (E, Fm, D),
                        "moe.down": (E, D, Fm)})
+        if c.mlp_act == FUSED_EXPERTS:  # gpt-oss: a bias on the router and on each matrix
+            shapes.update({"moe.router_bias": (E,), "moe.gate_bias": (E, Fm),
+                           "moe.up_bias": (E, Fm), "moe.down_bias": (E, D)})
     if c.sandwich_norm:  # and after the MLP
         shapes["post_mlp_norm"] = (D,)
     shapes["final_norm"] = (D,)
@@ -125,7 +149,9 @@ def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
         moe = c.is_moe(i)
         out.update({hf_name(f, i, c): shapes[f] for f in LAYER_TENSORS
                     if f in shapes and not (moe and f in DENSE_MLP)})
-        if moe:  # each expert's matrix under its own name
+        if moe and c.mlp_act == FUSED_EXPERTS:  # gpt-oss: every expert in one tensor
+            out.update(fused_expert_shapes(c, i))
+        elif moe:  # each expert's matrix under its own name
             for field, names in moe_hf_names(c, i).items():
                 for name in [names] if isinstance(names, str) else names:
                     out[name] = shapes[field][1:] if field != "moe.router" else shapes[field]
