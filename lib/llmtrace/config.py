@@ -378,6 +378,19 @@ PRESETS: dict[str, dict] = {
                           rope_theta=1_000_000.0, norm_eps=1e-6, bos_id=151643, eos_id=151645,
                           head_dim=128, family="qwen3_moe", qk_norm=True, n_experts=128,
                           n_experts_active=8, moe_ffn_size=768, moe_renormalize=True),
+    # openai/gpt-oss-20b config.json (in its unquantized shapes: the hub's experts are MXFP4):
+    # sinks, biases on Q, K, V and O, even layers sliding (128), odd ones full, YaRN 32x over
+    # 4096, 32 experts of width 2880 in every layer, 4 chosen, clamped at 7; no BOS, <|return|>
+    "gpt-oss-20b": dict(vocab_size=201088, hidden_size=2880, n_layers=24, n_heads=64,
+                        n_kv_heads=8, head_dim=64, ffn_size=2880, max_positions=131072,
+                        rope_theta=150_000.0, bos_id=None, eos_id=200002, family="gpt_oss",
+                        qkv_bias=True, o_bias=True, attn_sinks=True, sliding_window=128,
+                        layer_types=("sliding", "full") * 12,
+                        rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0,
+                                          beta_slow=1.0, truncate=False,
+                                          original_max_position_embeddings=4096),
+                        n_experts=32, n_experts_active=4, moe_ffn_size=2880,
+                        moe_router="topk_softmax", mlp_act="gpt_oss", swiglu_limit=7.0),
 }
 ALIASES = {"tinyllama": "tinyllama-1.1b", "smollm2": "smollm2-135m", "embedded": "smollm2-135m",
            "7b": "llama-2-7b", "70b": "llama-2-70b", "mistral-7b": "mistral-7b-v0.1"}
