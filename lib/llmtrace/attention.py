@@ -121,15 +121,17 @@ def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0,
 
 
 def sink_softmax(scores, sinks, trace=NO_TRACE, name="attn"):
-    """scores [B, H, T, S] (masked), sinks [H] -> weights [B, H, T, S] whose rows sum below
-    1: each head's sink logit joins every query row as one more column, the softmax runs over
-    S + 1 columns, and the sink's column is dropped, so the attention it drew goes nowhere.
-    As HF's gpt-oss `eager_attention_forward`: the mask is added before the sink joins (the
-    sink is never masked); HF subtracts each row's max first, which softmax does itself."""
+    """scores [B, H, T, S] (masked), sinks [H] -> weights [B, H, T, S] whose rows
+    sum below 1: each head's sink logit joins every query row as one more column,
+    the softmax runs over S + 1 columns, and the sink's column is dropped, so the
+    attention it drew goes nowhere. As HF's gpt-oss `eager_attention_forward`: the
+    mask is added before the sink joins (the sink is never masked); HF subtracts
+    each row's max first, which softmax does itself."""
     B, H, T, S = scores.shape
-    sink = sinks.to(scores.dtype).reshape(1, H, 1, 1).expand(B, H, T, 1)  # [B, H, T, 1]
-    both = trace.record(f"{name}.scores_with_sink", "masked_scores beside each head's sink "
-                        "logit (column S)", torch.cat([scores, sink], dim=-1))  # [B, H, T, S+1]
+    sink = sinks.to(scores.dtype).reshape(1, H, 1, 1).expand(B, H, T, 1)  # [B,H,T,1]
+    what = "masked_scores beside each head's sink logit (column S)"
+    both = trace.record(f"{name}.scores_with_sink", what,
+                        torch.cat([scores, sink], dim=-1))  # [B, H, T, S+1]
     both = trace.record(f"{name}.weights_with_sink", "softmax over keys and the sink",
                         F.softmax(both, dim=-1))  # [B, H, T, S+1]
     return trace.record(f"{name}.weights", "sink column dropped (rows sum below 1)",

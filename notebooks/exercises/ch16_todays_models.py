@@ -97,7 +97,7 @@ def _(model) -> Case:
     want = 1 - trace[names[1]][0, :, -1].sum(-1)  # [H]: what the keys' weights leave out
     return Case(caller(scores, layer.sinks), want,
                 f"each head's sink share {shape(want)}",
-                tensor_compare(1e-5), [
+                tensor_compare(1e-4), [  # want is 1 - a sum of floats: 1e-7 off
                     (lambda s, k: 1 - torch.softmax(s, -1).sum(-1),
                      "the sink joins the softmax as one more column: a softmax over the keys "
                      "alone sums to 1 and leaves nothing"),
