@@ -154,7 +154,8 @@ def refuse_unsupported(c: dict, where: str) -> None:
                     if isinstance(c.get(k), int) and c[k] > 0), None)
     if (experts or family in MOE) and family not in WITH_EXPERTS:
         what = f"{experts}={c[experts]}" if experts else f"model_type {family!r}"
-        labels = " and ".join(REGISTRY[f].label for f in WITH_EXPERTS)
+        *most, last = [REGISTRY[f].label for f in WITH_EXPERTS]
+        labels = f"{', '.join(most)} and {last}" if most else last
         raise LlmTraceError(f"{where}: a mixture of experts ({what}: each token goes through a "
                             f"few of many MLPs) is implemented only as {labels} compute it, "
                             f"not for model_type {family!r}: {COMPUTED}")
