@@ -181,3 +181,29 @@ def test_switches_gpt_oss_does_not_compute_are_refused():
         Config.from_name("tinyllama").replace(attn_sinks=True).to_hf()
     with pytest.raises(LlmTraceError, match="mlp_act='gpt_oss' is the clamped GLU"):
         Config.from_name("tinyllama").replace(mlp_act="gpt_oss")
+
+
+# openai/gpt-oss-20b's config.json on the hub, as published (its quantization_config left out:
+# the hub's experts are MXFP4, refused above); each key checked against the preset
+PUBLISHED_JSON = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+    "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                     "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                     "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+    "swiglu_limit": 7.0, "tie_word_embeddings": False, "use_cache": True,
+    "vocab_size": 201088}
+
+
+def test_the_published_config_json_reads_as_the_preset():
+    assert Config.from_hf(PUBLISHED_JSON, name="gpt-oss-20b") == Config.from_name("gpt-oss-20b")
+    with pytest.raises(LlmTraceError, match="quant_method='mxfp4'"):
+        Config.from_hf({**PUBLISHED_JSON, "quantization_config": {"quant_method": "mxfp4"}})
