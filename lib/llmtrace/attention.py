@@ -104,7 +104,8 @@ def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0,
             mask = trace.record(f"{name}.window_mask", what,
                                 mask + window)  # [T, S]
         scores = trace.record(f"{name}.masked_scores", f"scores + {kind}",
-                              scores + mask)  # [B, H, T, S]
+                              scores + mask,  # [B, H, T, S]
+                              recompute=(torch.add, f"{name}.scores", f"{name}.{kind}"))
     weights = trace.record(f"{name}.weights", "softmax over keys (rows sum to 1)",
                            F.softmax(scores, dim=-1))  # [B, H, T, S]
     return trace.record(f"{name}.weighted_sum", "weights @ v",
@@ -169,15 +170,22 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
 
     # Heads first, then GQA: repeat each KV head for the query heads that share it.
     q = q.transpose(1, 2)  # [B, H, T, hd]
-    k_exp = repeat_kv(k_all.transpose(1, 2), config.n_rep)  # [B, H, S, hd]
-    k_exp = trace.record(f"{name}.k_expanded", f"GQA: {KV} -> {H} heads", k_exp)
-    v_exp = repeat_kv(v_all.transpose(1, 2), config.n_rep)  # [B, H, S, hd]
-    v_exp = trace.record(f"{name}.v_expanded", f"GQA: {KV} -> {H} heads", v_exp)
+
+    def expand(kv):  # [B, S, KV, hd] -> [B, H, S, hd]; recomputed when its record is read
+        return repeat_kv(kv.transpose(1, 2), config.n_rep)
+
+    k_exp = trace.record(f"{name}.k_expanded", f"GQA: {KV} -> {H} heads", expand(k_all),
+                         recompute=(expand, f"{name}.kv_cache.k"))  # [B, H, S, hd]
+    v_exp = trace.record(f"{name}.v_expanded", f"GQA: {KV} -> {H} heads", expand(v_all),
+                         recompute=(expand, f"{name}.kv_cache.v"))  # [B, H, S, hd]
 
     out = attend(q, k_exp, v_exp, pos.mask, trace, name, start, pos.window,
                  config.attn_scale)  # [B, H, T, hd]
 
-    out = out.transpose(1, 2).reshape(B, T, H * hd)  # [B, T, H*hd]
-    out = trace.record(f"{name}.merged", "heads back side by side", out)
+    def merge(o):  # [B, H, T, hd] -> [B, T, H*hd]
+        return o.transpose(1, 2).reshape(B, T, H * hd)
+
+    out = trace.record(f"{name}.merged", "heads back side by side", merge(out),
+                       recompute=(merge, f"{name}.weighted_sum"))  # [B, T, H*hd]
     out = F.linear(out, w.o_proj)  # [B, T, D]
     return trace.record(f"{name}.out", "merged @ W_o^T", out, B * T * H * hd * D)
