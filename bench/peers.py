@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -104,7 +105,10 @@ def nnsight_tool(ids) -> Tool:
     from nnsight import LanguageModel
     from transformers import AutoTokenizer
 
-    lm = LanguageModel(hf_copy(), tokenizer=AutoTokenizer.from_pretrained(embedded_checkpoint()))
+    with warnings.catch_warnings():  # its newer class wants a repo id; this one wraps a model
+        warnings.simplefilter("ignore")
+        lm = LanguageModel(hf_copy(),
+                           tokenizer=AutoTokenizer.from_pretrained(embedded_checkpoint()))
 
     def run():
         with torch.inference_mode():

@@ -171,7 +171,7 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
     # Heads first, then GQA: repeat each KV head for the query heads that share it.
     q = q.transpose(1, 2)  # [B, H, T, hd]
 
-    def expand(kv):  # [B, S, KV, hd] -> [B, H, S, hd]; recomputed when its record is read
+    def expand(kv):  # [B, S, KV, hd] -> [B, H, S, hd]; rerun when its record is read
         return repeat_kv(kv.transpose(1, 2), config.n_rep)
 
     k_exp = trace.record(f"{name}.k_expanded", f"GQA: {KV} -> {H} heads", expand(k_all),
