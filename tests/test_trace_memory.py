@@ -45,26 +45,31 @@ def test_every_record_reads_the_tensor_its_op_made(embedded):
     assert trace.nbytes() < 0.8 * made.nbytes()
 
 
+def pooled(trace):
+    """The addresses of a trace's values in the pool's memory (all but the caller's token ids)."""
+    return {r.held.untyped_storage().data_ptr() for r in trace
+            if r.held is not None and r.name != "tokens"}
+
+
 def test_a_dropped_trace_returns_its_memory_and_the_next_one_reuses_it(embedded):
     ids = embedded.ids(PROMPT)
     pool = TracePool()
     first = Trace(pool=pool)
     embedded.forward(ids, first)
-    where = {r.held.untyped_storage().data_ptr() for r in first if r.held is not None}
-    held = first.nbytes()
+    where, held = pooled(first), first.nbytes() - first["tokens"].nbytes
     del first
     assert pool.nbytes() == held  # nothing else read any of it
     second = Trace(pool=pool)
     embedded.forward(ids, second)
     assert pool.nbytes() == 0
-    assert {r.held.untyped_storage().data_ptr() for r in second if r.held is not None} == where
+    assert pooled(second) == where
 
 
 def test_a_tensor_kept_from_a_dropped_trace_is_not_returned(embedded):
     pool = TracePool()
     first = Trace(pool=pool)
     embedded.forward(embedded.ids(PROMPT), first)
-    total = first.nbytes()
+    total = first.nbytes() - first["tokens"].nbytes  # the caller's ids are not the pool's
     q = first["layers.0.attn.q"]  # a view of q_proj's buffer
     weights = first.get("layers.3.attn.weights")  # the record itself
     q_was, weights_was = q.clone(), weights.tensor.clone()
@@ -99,3 +104,11 @@ def test_a_record_whose_inputs_are_filtered_out_keeps_its_tensor(embedded):
     for name in names:
         assert only.get(name).held is not None
         assert torch.equal(only[name], every[name])
+
+
+def test_the_callers_token_ids_are_kept_as_given(embedded):
+    ids = embedded.ids(PROMPT)  # made outside the model's inference mode: autograd may use it
+    _, trace = embedded.run(ids)
+    assert trace["tokens"] is not ids and trace["tokens"].data_ptr() == ids.data_ptr()
+    assert not trace["tokens"].is_inference()
+    assert trace["layers.0.attn.q_proj"].is_inference()  # the pass's own: in the pool's memory

@@ -204,16 +204,17 @@ class Trace:
         return (fn, *inputs)
 
     def _hold(self, t: torch.Tensor) -> torch.Tensor:
-        """The tensor to keep for t: t itself without a pool, or when t is a view of memory kept
-        already (a record of this trace, a KV cache); else a copy in one of the pool's buffers,
-        which flows on in t's place (made once, however many names record t)."""
+        """The tensor to keep for t: t itself without a pool, when t is a view of memory kept
+        already (a record of this trace, a KV cache) or a tensor the model's pass did not make
+        (made outside inference mode); else a copy in one of the pool's buffers, which flows on
+        in t's place (made once, however many names record t)."""
         if self.pool is None or t.untyped_storage().data_ptr() in self._storages:
             return t.detach()
         ref, copy = self._copies.get(id(t), (None, None))
         if ref is not None and ref() is t:
             return copy
-        if not _owns_its_memory(t):
-            return t.detach()
+        if not _owns_its_memory(t) or not t.is_inference():  # a view, or not the pass's own
+            return t.detach()  # (the caller's token ids, a sampling step's outside the model)
         copy = self.pool.take(t).copy_(t.detach())
         self._buffers.append(copy)
         self._storages.add(copy.untyped_storage().data_ptr())
