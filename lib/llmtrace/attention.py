@@ -107,7 +107,8 @@ def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0,
             mask = trace.record(f"{name}.window_mask", what,
                                 mask + window)  # [T, S]
         scores = trace.record(f"{name}.masked_scores", f"scores + {kind}",
-                              scores + mask)  # [B, H, T, S]
+                              scores + mask,  # [B, H, T, S]
+                              recompute=(torch.add, f"{name}.scores", f"{name}.{kind}"))
     if sinks is not None:  # gpt-oss: the sink column takes its share, then goes
         weights = sink_softmax(scores, sinks, trace, name)  # [B, H, T, S]
     else:
@@ -212,18 +213,28 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
 
     # Heads first, then GQA: repeat each KV head for the query heads that share it.
     q = q.transpose(1, 2)  # [B, H, T, hd]
-    k_exp = repeat_kv(k_all.transpose(1, 2), config.n_rep)  # [B, H, S, hd]
-    k_exp = trace.record(f"{name}.k_expanded", f"GQA: {KV} -> {H} heads", k_exp)
-    v_exp = repeat_kv(v_all.transpose(1, 2), config.n_rep)  # [B, H, S, hd]
-    v_exp = trace.record(f"{name}.v_expanded", f"GQA: {KV} -> {H} heads", v_exp)
+
+    def expand(kv):  # [B, S, KV, hd] -> [B, H, S, hd]; rerun when its record is read
+        return repeat_kv(kv.transpose(1, 2), config.n_rep)
+
+    k_exp = trace.record(f"{name}.k_expanded", f"GQA: {KV} -> {H} heads", expand(k_all),
+                         recompute=(expand, f"{name}.kv_cache.k"))  # [B, H, S, hd]
+    v_exp = trace.record(f"{name}.v_expanded", f"GQA: {KV} -> {H} heads", expand(v_all),
+                         recompute=(expand, f"{name}.kv_cache.v"))  # [B, H, S, hd]
 
     out = attend(q, k_exp, v_exp, pos.mask, trace, name, start, pos.window,
                  config.attn_scale)  # [B, H, T, hd]
 
+    heads = f"{name}.weighted_sum"  # what the merge reads
     if output_gate:  # Qwen3-Next: each head's output times the sigmoid of its gate
         out = trace.record(f"{name}.output_gate", "weighted_sum * sigmoid(gate)",
                            out * torch.sigmoid(gate).transpose(1, 2))  # [B, H, T, hd]
-    out = out.transpose(1, 2).reshape(B, T, H * hd)  # [B, T, H*hd]
-    out = trace.record(f"{name}.merged", "heads back side by side", out)
+        heads = f"{name}.output_gate"
+
+    def merge(o):  # [B, H, T, hd] -> [B, T, H*hd]
+        return o.transpose(1, 2).reshape(B, T, H * hd)
+
+    out = trace.record(f"{name}.merged", "heads back side by side", merge(out),
+                       recompute=(merge, heads))  # [B, T, H*hd]
     out = F.linear(out, w.o_proj)  # [B, T, D]
     return trace.record(f"{name}.out", "merged @ W_o^T", out, B * T * H * hd * D)

@@ -281,8 +281,8 @@ def trace_bytes(config: Config, trace: Trace, T: int, decode_steps: int = 0) -> 
     """Bytes the kept values of a prefill of T positions and `decode_steps` one-token steps would
     hold. Every value: `estimate_trace_bytes`. A filter: counted from a shapes-only pass of one
     layer on the meta device (each layer records the same shapes; Gemma 3: one layer of each
-    kind). Each decode step is counted as the last, the largest; views as if they were copies:
-    an upper bound."""
+    kind). Each decode step is counted as the last, the largest; views, and the records a trace
+    recomputes when read, as if they were copies: an upper bound."""
     if trace.keeps_all:  # every value: the closed form, no pass needed
         return estimate_trace_bytes(config, T) + decode_steps * estimate_trace_bytes(
             config, 1, T + decode_steps)
