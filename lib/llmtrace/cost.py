@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .config import Config
-from .weights.names import MODEL_TENSORS, layers_holding, tensor_shapes
+from .weights.names import LAYER_TENSORS, MODEL_TENSORS, layers_holding, tensor_shapes
 
 
 @dataclass
@@ -39,20 +39,24 @@ def parameter_table(c: Config) -> list[ParamRow]:
     """One row per component, in model order; a tied LM head has no row of its own."""
     rows = []
     for field, shape in tensor_shapes(c).items():
-        per_layer = field not in MODEL_TENSORS
+        per_layer = field in LAYER_TENSORS
         component = "embedding" if field == "embed" else field
-        copies = layers_holding(c, field)  # 1 outside the layers
-        rows.append(ParamRow(component, shape, math.prod(shape), copies, per_layer,
-                             active_of(c, field, shape)))
+        copies = c.n_layers if per_layer else 1
+        rows.append(ParamRow(component, shape, math.prod(shape), copies, per_layer))
+    if c.n_experts:  # a mixture of experts: MoE and dense layers hold different rows
+        rows = [moe_row(c, r) for r in rows]
     return rows
 
 
-def active_of(c: Config, field: str, shape: tuple) -> int:
-    """Parameters of one copy of `field` a position reads: all (-1), but k of a mixture of
-    experts' E stacked experts."""
-    if field in ("moe.gate", "moe.up", "moe.down"):  # [E, ...]: expert e's at [e]
-        return math.prod(shape) // c.n_experts * c.n_experts_active
-    return -1
+def moe_row(c: Config, r: ParamRow) -> ParamRow:
+    """A row of a model with a mixture of experts: its copies are the layers that hold it
+    (the dense MLP's in the dense layers, "moe.*" in the MoE ones); a position reads k of a
+    layer's E experts."""
+    per_layer = r.component not in ("embedding", *MODEL_TENSORS)
+    field = "embed" if r.component == "embedding" else r.component
+    active = (r.each // c.n_experts * c.n_experts_active
+              if field in ("moe.gate", "moe.up", "moe.down") else -1)  # [E, ...]
+    return ParamRow(r.component, r.shape, r.each, layers_holding(c, field), per_layer, active)
 
 
 def parameter_count(c: Config, active: bool = False) -> int:
