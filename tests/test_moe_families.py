@@ -163,3 +163,9 @@ def test_dense_layers_and_sliding_window_read_back():
     assert Config.from_hf(qwen3_moe_json(sliding_window=4)).sliding_window == 0
     assert Config.from_hf(qwen3_moe_json(sliding_window=4, use_sliding_window=True)
                           ).sliding_window == 4
+
+
+def test_gguf_experts_are_refused_by_key():
+    with pytest.raises(LlmTraceError, match="llama.expert_count=8 .a mixture of experts. is "
+                                            "not read from GGUF: load the Hugging Face"):
+        Config.from_gguf({"general.architecture": "llama", "llama.expert_count": 8})
