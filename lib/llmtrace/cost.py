@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .config import Config
-from .weights.names import LAYER_TENSORS, tensor_shapes
+from .weights.names import LAYER_TENSORS, MODEL_TENSORS, layers_holding, tensor_shapes
 
 
 @dataclass
@@ -21,12 +21,18 @@ class ParamRow:
     component: str
     shape: tuple[int, ...]
     each: int  # parameters in one copy
-    copies: int  # 1, or the number of layers
+    copies: int  # 1, or the number of layers that hold it
     per_layer: bool
+    active: int = -1  # parameters of one copy a position reads (-1: all; experts: k of E)
 
     @property
     def total(self) -> int:
         return self.each * self.copies
+
+    @property
+    def active_total(self) -> int:
+        """What a position reads of the row: a mixture of experts' k experts of E."""
+        return (self.each if self.active < 0 else self.active) * self.copies
 
 
 def parameter_table(c: Config) -> list[ParamRow]:
@@ -37,11 +43,27 @@ def parameter_table(c: Config) -> list[ParamRow]:
         component = "embedding" if field == "embed" else field
         copies = c.n_layers if per_layer else 1
         rows.append(ParamRow(component, shape, math.prod(shape), copies, per_layer))
+    if c.n_experts:  # a mixture of experts: MoE and dense layers hold different rows
+        rows = [moe_row(c, r) for r in rows]
     return rows
 
 
-def parameter_count(c: Config) -> int:
-    return sum(r.total for r in parameter_table(c))
+def moe_row(c: Config, r: ParamRow) -> ParamRow:
+    """A row of a model with a mixture of experts: its copies are the layers that hold it
+    (the dense MLP's in the dense layers, "moe.*" in the MoE ones); a position reads k of a
+    layer's E experts."""
+    per_layer = r.component not in ("embedding", *MODEL_TENSORS)
+    field = "embed" if r.component == "embedding" else r.component
+    active = (r.each // c.n_experts * c.n_experts_active
+              if field in ("moe.gate", "moe.up", "moe.down") else -1)  # [E, ...]
+    return ParamRow(r.component, r.shape, r.each, layers_holding(c, field), per_layer, active)
+
+
+def parameter_count(c: Config, active: bool = False) -> int:
+    """Parameters the model holds; active=True: those one position reads (with a mixture of
+    experts, k of the E experts of each layer; every table and layer else)."""
+    rows = parameter_table(c)
+    return sum(r.active_total if active else r.total for r in rows)
 
 
 def parameter_shares(c: Config) -> dict[str, float]:
@@ -49,7 +71,7 @@ def parameter_shares(c: Config) -> dict[str, float]:
     tables."""
     rows = parameter_table(c)
     total = sum(r.total for r in rows)
-    matrices = sum(r.total for r in rows if r.per_layer and len(r.shape) == 2)
+    matrices = sum(r.total for r in rows if r.per_layer and len(r.shape) >= 2)  # experts: 3D
     norms = sum(r.total for r in rows if len(r.shape) == 1)
     tables = sum(r.total for r in rows if r.component in ("embedding", "lm_head"))
     return {"per_layer_matrices": matrices / total, "norms": norms / total,

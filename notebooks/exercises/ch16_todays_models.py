@@ -1,10 +1,11 @@
-"""Chapter 16: a sliding window's mask."""
+"""Chapter 16: a sliding window's mask; a mixture of experts' router."""
 
 import dataclasses
 
 import torch
 
-from llmtrace.model import Model
+from llmtrace.model import Model, Weights
+from llmtrace.moe import MoeWeights
 from llmtrace.trace import Trace
 
 from .registry import PROMPT, Case, caller, exercise
@@ -65,3 +66,67 @@ def _(model) -> Case:
                      "off by one: a query sees `window` keys, itself included"),
                     (relative, "positions are absolute: query i of a pass sits at start + i, "
                                "and the cache holds keys 0 .. start + T - 1")])
+
+
+EXPERTS, CHOSEN = 4, 2  # the running model's MLP cut into 4 experts, 2 chosen per position
+
+
+def choose_experts(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral's router. The router's logits [B, T, E] (x @ W_router^T, one per expert) and k
+    -> (ids [B, T, k] int64, weights [B, T, k]): a softmax over the E experts, the k largest
+    probabilities (largest first) and their experts' ids, those k weights divided by their
+    sum, so that they sum to 1."""
+    probs = torch.softmax(logits, dim=-1)  # [B, T, E]
+    weights, ids = torch.topk(probs, k, dim=-1)  # [B, T, k] each, largest first
+    return ids, weights / weights.sum(dim=-1, keepdim=True)  # [B, T, k] each
+
+
+def moe_of_layer_0(model) -> Model:
+    """The running model's layer 0 with its MLP cut into EXPERTS experts (expert e: the e-th
+    quarter of the gate and up rows, and of down's columns) and a router whose row e is the
+    mean of expert e's gate rows: a mixture of experts built from the library's pieces,
+    run as Mixtral runs it."""
+    c, w = model.config, model.weights
+    lw = w.layers[0]
+    F = c.ffn_size // EXPERTS  # each expert's width; a remainder of rows is left out
+    rows = lambda t: t[:EXPERTS * F].reshape(EXPERTS, F, -1)  # noqa: E731  [E, F, D]
+    gate, up = rows(lw.gate), rows(lw.up)  # [E, F, D] each
+    down = lw.down[:, :EXPERTS * F].reshape(-1, EXPERTS, F).transpose(0, 1)  # [E, D, F]
+    moe = MoeWeights(router=gate.mean(dim=1), gate=gate, up=up, down=down)  # router [E, D]
+    layer = dataclasses.replace(lw, gate=None, up=None, down=None, moe=moe)
+    config = c.replace(n_layers=1, layer_types=c.layer_types[:1], n_experts=EXPERTS,
+                       n_experts_active=CHOSEN, moe_ffn_size=F)
+    return Model(config, Weights(w.embed, [layer], w.final_norm, w.lm_head), model.tokenizer)
+
+
+@exercise(16, choose_experts)
+def _(model) -> Case:
+    """The router's logits that layer 0 of the running model, made a mixture of experts
+    (`moe_of_layer_0`), recorded for the prompt, and the experts and weights it chose."""
+    names = [f"layers.0.mlp.{n}" for n in ("router", "experts_chosen", "expert_weights")]
+    trace = Trace(names=names)
+    moe_of_layer_0(model).forward(model.encode(PROMPT), trace)
+    logits = trace[names[0]]  # [1, T, E]
+    want = (trace[names[1]], trace[names[2]])  # [1, T, k] each
+
+    def unnormalized(logits, k):
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+        return ids, weights
+
+    def from_logits(logits, k):
+        weights, ids = torch.topk(logits, k, dim=-1)
+        return ids, weights
+
+    def smallest(logits, k):
+        ids, weights = choose_experts(-logits, k)
+        return ids, torch.softmax(logits, -1).gather(-1, ids) / (
+            torch.softmax(logits, -1).gather(-1, ids).sum(-1, keepdim=True))
+
+    return Case(caller(logits, CHOSEN), want,
+                f"{CHOSEN} of {EXPERTS} experts and weights {shape(want[0])}",
+                tuple_compare(("ids", "weights"), 1e-5), [
+                    (unnormalized, "renormalize: divide the k chosen probabilities by their "
+                                   "sum, so that they sum to 1"),
+                    (from_logits, "the weights are probabilities: a softmax over the E "
+                                  "logits first"),
+                    (smallest, "the k largest probabilities: torch.topk keeps the largest")])
