@@ -402,6 +402,8 @@ WRONG = {
     "patch_country": [(lambda stream, other, pos: other.clone(), "only the country's position")],
     "head_logit_attribution": [(dla_own_rms, "freeze the final norm's divisor")],
     "sliding_window_mask": [(window_sees_one_more, "off by one")],
+    "layers_without_rope": [(lambda acts, n: [i for i in range(n) if not torch.equal(
+        acts[f"layers.{i}.attn.rope_q"], acts[f"layers.{i}.attn.q"])], "RoPE turned")],
 }
 
 

@@ -74,11 +74,12 @@ class Positions:
         if not config.layer_types:  # every layer alike (Mistral: all slide)
             return cls(start, cos, sin, causal, window)
         # Gemma 3: full layers see every earlier key; sliding layers see
-        # the window, and turn at a RoPE base of their own
+        # the window, and turn at a RoPE base of their own (OLMo 3's: the same)
         local = config.rope_local_theta or config.rope_theta
         local_cos, local_sin = rope_cos_sin(positions, config.head_dim, local)
-        return cls(start, cos, sin, causal, None, config.rope_theta,
-                   cls(start, local_cos, local_sin, causal, window, local))
+        base = config.rope_theta if local != config.rope_theta else 0.0  # said if they differ
+        return cls(start, cos, sin, causal, None, base,
+                   cls(start, local_cos, local_sin, causal, window, base and local))
 
 
 def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0,

@@ -7,6 +7,7 @@ runs on real fp32 weights (values) and on PyTorch's `meta` device (shapes only, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -171,6 +172,8 @@ class Model:
             layer_cache = None if cache is None else cache[i]
             # Gemma 3: a sliding layer has its own positions (window, RoPE base)
             layer_pos = pos.local if pos.local and c.is_sliding(i) else pos
+            if c.no_rope_layers and not c.has_rope(i):  # SmolLM3: q, k unturned
+                layer_pos = dataclasses.replace(layer_pos, rope=False)
             x = block(x, lw, c, layer_pos, layer_cache, trace,
                       f"layers.{i}")  # [B, T, D]
         x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm",
@@ -265,6 +268,7 @@ def estimate_trace_bytes(config: Config, T: int, S: int | None = None) -> int:
     S = T if S is None else S
     kinds = tuple(dict.fromkeys(config.layer_types))  # () when every layer is alike
     one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds,
+                                    no_rope_layers=(),  # a NoPE layer records the same shapes
                                     max_positions=max(config.max_positions, S)))  # a bound
     copies = [config.layer_types.count(kind) for kind in kinds] or [config.n_layers]
     trace = Trace(keep_values=False)
@@ -287,7 +291,8 @@ def trace_bytes(config: Config, trace: Trace, T: int, decode_steps: int = 0) -> 
         return estimate_trace_bytes(config, T) + decode_steps * estimate_trace_bytes(
             config, 1, T + decode_steps)
     kinds = tuple(dict.fromkeys(config.layer_types))  # () when every layer is alike
-    one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds))
+    one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds,
+                                    no_rope_layers=()))  # NoPE records the same shapes
     # the layers each layer of `one` stands for
     like = [[i for i in range(config.n_layers) if not kinds or config.layer_types[i] == kind]
             for kind in kinds or [None]]

@@ -44,7 +44,8 @@ class Family:
     not_null: tuple = ()  # NULLABLE keys HF's class types as int: a null is refused
 
 
-from . import gemma3, llama, mistral, olmo2, qwen2, qwen3  # noqa: E402  (they import Family)
+from . import gemma3, llama, mistral, olmo2, olmo3  # noqa: E402  (they import Family)
+from . import qwen2, qwen3, smollm3  # noqa: E402
 
 # model_type -> its entry: one line per family
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (
@@ -54,12 +55,14 @@ REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     qwen3.FAMILY,
     gemma3.FAMILY,
     olmo2.FAMILY,
+    olmo3.FAMILY,
+    smollm3.FAMILY,
 )}
 # the fields of Config that only some families set; a family sets each to its default, to the
 # value in its `switches`, or (in `varies`) to what its config.json says
 SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "norm_offset",
             "sandwich_norm", "pre_norm", "mlp_act", "embed_scale", "attn_scale", "layer_types",
-            "rope_local_theta")
+            "rope_local_theta", "no_rope_layers")
 COMPUTED = ("llmtrace computes dense Llama-family models "
             f"({', '.join(f.label for f in REGISTRY.values())})")
 # model_types refused by name, for what they compute instead of a dense Llama block
