@@ -7,9 +7,8 @@ runs on real fp32 weights (values) and on PyTorch's `meta` device (shapes only, 
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -173,7 +172,7 @@ class Model:
             # Gemma 3: a sliding layer has its own positions (window, RoPE base)
             layer_pos = pos.local if pos.local and c.is_sliding(i) else pos
             if c.no_rope_layers and not c.has_rope(i):  # SmolLM3: q, k unturned
-                layer_pos = dataclasses.replace(layer_pos, rope=False)
+                layer_pos = replace(layer_pos, rope=False)
             x = block(x, lw, c, layer_pos, layer_cache, trace,
                       f"layers.{i}")  # [B, T, D]
         x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm",
