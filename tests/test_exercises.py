@@ -404,6 +404,8 @@ WRONG = {
     "sliding_window_mask": [(window_sees_one_more, "off by one")],
     "choose_experts": [(lambda logits, k: torch.topk(torch.softmax(logits, -1), k, -1)[::-1],
                         "renormalize")],
+    "layers_without_rope": [(lambda acts, n: [i for i in range(n) if not torch.equal(
+        acts[f"layers.{i}.attn.rope_q"], acts[f"layers.{i}.attn.q"])], "RoPE turned")],
 }
 
 

@@ -109,6 +109,25 @@ ROWS = {
         off=({"moe_renormalize": True}, {"moe_router": "topk_softmax"}, {"qk_norm": False},
              {"sliding_window": 0}),
         records=QK_NORM | {"attn.window_mask"}),  # layer 0 is dense
+    # OLMo 2 with three sliding layers to one full (window 4 < the prompt), a base per kind
+    "olmo3": Row("Olmo3Config", "Olmo3ForCausalLM",
+                 {**{k: v for k, v in SHARP.items() if k != "rope_theta"},
+                  "num_hidden_layers": 4, "sliding_window": 4,
+                  "rope_parameters": {"full_attention": {"rope_type": "default",
+                                                         "rope_theta": 1e4},
+                                      "sliding_attention": {"rope_type": "default",
+                                                            "rope_theta": 5e5}}},
+                 off=({"qk_proj_norm": False}, {"pre_norm": True, "sandwich_norm": False},
+                      {"layer_types": ("full",) * 4}, {"rope_local_theta": 0.0}),
+                 records=QK_NORM | {"attn.window_mask", "attn_post_norm.mean_sq",
+                                    "attn_post_norm", "mlp_post_norm.mean_sq", "mlp_post_norm"},
+                 lacks=frozenset({"attn_norm.mean_sq", "attn_norm", "mlp_norm.mean_sq",
+                                  "mlp_norm"})),
+    # no RoPE on layer 3 of 4 (no_rope_layer_interval's default, 4), which also slides (window 4)
+    "smollm3": Row("SmolLM3Config", "SmolLM3ForCausalLM",
+                   {**SHARP, "num_hidden_layers": 4, "use_sliding_window": True,
+                    "sliding_window": 4, "pad_token_id": None},  # its 128004 is past 32000
+                   off=({"no_rope_layers": ()}, {"layer_types": (), "sliding_window": 0})),
 }
 
 

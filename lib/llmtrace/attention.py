@@ -73,12 +73,12 @@ class Positions:
         window = window_mask(T, S, start, W, device) if W else None
         if not config.layer_types:  # every layer alike (Mistral: all slide)
             return cls(start, cos, sin, causal, window)
-        # Gemma 3: full layers see every earlier key; sliding layers see
-        # the window, and turn at a RoPE base of their own
+        # Gemma 3, OLMo 3: full layers see every earlier key; sliding layers the window
         local = config.rope_local_theta or config.rope_theta
         local_cos, local_sin = rope_cos_sin(positions, config.head_dim, local)
-        return cls(start, cos, sin, causal, None, config.rope_theta,
-                   cls(start, local_cos, local_sin, causal, window, local))
+        base = config.rope_theta if local != config.rope_theta else 0.0  # said if they differ
+        return cls(start, cos, sin, causal, None, base,
+                   cls(start, local_cos, local_sin, causal, window, base and local))
 
 
 def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0,

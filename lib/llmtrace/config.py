@@ -67,6 +67,13 @@ def config_problems(v: dict, key=str) -> list[str]:
         problems.append(f"{key('layer_types')} has sliding layers but {key('sliding_window')}="
                         f"{v['sliding_window']}: give its width")
     problems += moe_problems(v, key)
+    flags = v["no_rope_layers"]
+    if not isinstance(flags, tuple) or any(f not in (0, 1) or isinstance(f, bool) for f in flags):
+        problems.append(f"{key('no_rope_layers')}={flags!r:.60} must be a tuple of 1 (RoPE) or 0 "
+                        f"(none) per layer")
+    elif flags and len(flags) != v["n_layers"]:
+        problems.append(f"{key('no_rope_layers')} names {len(flags)} layers, "
+                        f"{key('n_layers')}={v['n_layers']}")
     scaling = dict(v["rope_scaling"])
     if scaling and (scaling.get("rope_type") != "llama3" or set(LLAMA3_KEYS) - set(scaling)):
         problems.append(f"{key('rope_scaling')}={scaling} is not Llama 3's (rope_type 'llama3' "
@@ -179,6 +186,8 @@ class Config:
     moe_router: str = "softmax_topk"  # moe.ROUTERS: how the router's logits choose and weigh
     moe_renormalize: bool = True  # the k chosen weights rescaled to sum 1 (norm_topk_prob)
     mlp_types: tuple = ()  # per layer "dense" or "moe"; () = every layer MoE if n_experts
+    # SmolLM3: per layer 1 (RoPE) or 0 (no RoPE: NoPE), HF's no_rope_layers; () = RoPE everywhere
+    no_rope_layers: tuple = ()
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # as HF writes it: keep it hashable, in order
@@ -218,6 +227,9 @@ class Config:
         if self.mlp_types:
             return self.mlp_types[layer] == "moe"
         return self.n_experts > 0
+    def has_rope(self, layer: int) -> bool:
+        """Does this layer turn q and k by their position? SmolLM3 leaves every fourth alone."""
+        return not self.no_rope_layers or self.no_rope_layers[layer] == 1
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
@@ -334,6 +346,20 @@ PRESETS: dict[str, dict] = {
                           rope_theta=1_000_000.0, norm_eps=1e-6, bos_id=151643, eos_id=151645,
                           head_dim=128, family="qwen3_moe", qk_norm=True, n_experts=128,
                           n_experts_active=8, moe_ffn_size=768, moe_renormalize=True),
+    # allenai/Olmo-3-1025-7B config.json: OLMo 2's block, three sliding layers (window 4096) to
+    # one full; <|endoftext|> 100257 ends, no BOS. Its full layers' YaRN (factor 8 over 8192
+    # positions) is not computed (refused by key in a config.json): shapes only here
+    "olmo-3-7b": dict(vocab_size=100278, hidden_size=4096, n_layers=32, n_heads=32,
+                      n_kv_heads=32, ffn_size=11008, max_positions=65536, rope_theta=500_000.0,
+                      norm_eps=1e-6, bos_id=None, eos_id=100257, family="olmo3",
+                      pre_norm=False, sandwich_norm=True, qk_proj_norm=True,
+                      sliding_window=4096, layer_types=(("sliding",) * 3 + ("full",)) * 8),
+    # HuggingFaceTB/SmolLM3-3B config.json: no RoPE on every fourth layer (3, 7, ..., 35), tied
+    # head, <|im_end|> 128012 ends
+    "smollm3-3b": dict(vocab_size=128256, hidden_size=2048, n_layers=36, n_heads=16,
+                       n_kv_heads=4, ffn_size=11008, max_positions=65536,
+                       rope_theta=5_000_000.0, norm_eps=1e-6, tied_lm_head=True, bos_id=128000,
+                       eos_id=128012, family="smollm3", no_rope_layers=(1, 1, 1, 0) * 9),
 }
 ALIASES = {"tinyllama": "tinyllama-1.1b", "smollm2": "smollm2-135m", "embedded": "smollm2-135m",
            "7b": "llama-2-7b", "70b": "llama-2-70b", "mistral-7b": "mistral-7b-v0.1"}

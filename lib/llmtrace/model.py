@@ -8,7 +8,7 @@ runs on real fp32 weights (values) and on PyTorch's `meta` device (shapes only, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -185,6 +185,8 @@ class Model:
             layer_cache = None if cache is None else cache[i]
             # Gemma 3: a sliding layer has its own positions (window, RoPE base)
             layer_pos = pos.local if pos.local and c.is_sliding(i) else pos
+            if c.no_rope_layers and not c.has_rope(i):  # SmolLM3: q, k unturned
+                layer_pos = replace(layer_pos, rope=False)
             x = block(x, lw, c, layer_pos, layer_cache, trace,
                       f"layers.{i}")  # [B, T, D]
         x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm",
@@ -277,7 +279,7 @@ def one_layer_of_each_kind(config: Config, **changes) -> tuple[Model, list[list[
              config.mlp_types[i] if config.mlp_types else None) for i in range(config.n_layers)]
     kinds = list(dict.fromkeys(kind))
     one = meta_model(config.replace(
-        n_layers=len(kinds), **changes,
+        n_layers=len(kinds), **changes, no_rope_layers=(),  # a NoPE layer records the same shapes
         layer_types=tuple(a for a, _ in kinds) if config.layer_types else (),
         mlp_types=tuple(m for _, m in kinds) if config.mlp_types else ()))
     return one, [[i for i in range(config.n_layers) if kind[i] == k] for k in kinds]

@@ -32,8 +32,8 @@ def _(model) -> Case:
     c = model.config
     every = {"layer_types": ()} if c.layer_types else {}  # every layer slides
     first = dataclasses.replace(model.weights, layers=model.weights.layers[:1])  # layer 0 alone
-    windowed = Model(c.replace(sliding_window=WINDOW, n_layers=1, **every), first,
-                     model.tokenizer)
+    windowed = Model(c.replace(sliding_window=WINDOW, n_layers=1, no_rope_layers=(), **every),
+                     first, model.tokenizer)
     ids = model.encode(PROMPT)  # [1, T]
     T, name = ids.shape[1], "layers.0.attn.window_mask"
     cache = windowed.new_cache(T + 1)
@@ -130,3 +130,45 @@ def _(model) -> Case:
                     (from_logits, "the weights are probabilities: a softmax over the E "
                                   "logits first"),
                     (smallest, "the k largest probabilities: torch.topk keeps the largest")])
+def layers_without_rope(acts: dict, n_layers: int) -> list:
+    """Which layers have no RoPE (SmolLM3's NoPE layers), read off a traced run. acts: for each
+    layer i, `layers.{i}.attn.rope_q` (the queries after RoPE's step) and what that step
+    received: `layers.{i}.attn.q` (`attn.q_norm` in a family that normalizes each head first,
+    Qwen3 or Gemma 3), each [B, T, H, hd]; n_layers: how many -> the indices of the layers whose
+    step left the queries as they were, in order."""
+    unturned = []
+    for i in range(n_layers):
+        before = f"layers.{i}.attn.q_norm"  # what RoPE received, where a head norm came first
+        before = before if before in acts else f"layers.{i}.attn.q"
+        if torch.equal(acts[f"layers.{i}.attn.rope_q"], acts[before]):
+            unturned.append(i)
+    return unturned
+
+
+@exercise(16, layers_without_rope)
+def _(model) -> Case:
+    """The running model's weights with SmolLM3's pattern of layers: no RoPE on every fourth
+    (every n-th in a model of n < 4 layers, so that one layer has none)."""
+    c = model.config
+    every = min(4, c.n_layers)
+    flags = tuple(int((i + 1) % every != 0) for i in range(c.n_layers))
+    nope = Model(c.replace(no_rope_layers=flags), model.weights, model.tokenizer)
+    step = "q_norm" if c.qk_norm else "q"
+    names = [f"layers.{i}.attn.{n}" for i in range(c.n_layers) for n in (step, "rope_q")]
+    _, trace = nope.run(PROMPT, names=names)
+    acts = {n: trace[n] for n in names}
+    want = [i for i in range(c.n_layers) if not nope.config.has_rope(i)]
+
+    def compare(got, want):
+        got = list(got) if isinstance(got, (list, tuple)) else got
+        if got == want:
+            return None
+        return f"got {got!r:.40}, wanted layers {want!r:.40}"
+
+    return Case(caller(acts, c.n_layers), want,
+                f"the {len(want)} NoPE layers of {c.n_layers} (one in {every})",
+                compare, [
+                    (lambda a, n: [i for i in range(n) if i not in want],
+                     "those are the layers RoPE turned: keep the ones it left alone"),
+                    (lambda a, n: [i + 1 for i in want],
+                     "layers count from 0, as their record names do")])

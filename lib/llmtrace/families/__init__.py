@@ -53,7 +53,8 @@ class Family:
     # where the family's differs from _read.HF_KEYS' (errors name what the user wrote)
 
 
-from . import gemma3, llama, mistral, olmo2, qwen2, qwen3  # noqa: E402  (they import Family)
+from . import gemma3, llama, mistral, olmo2, olmo3  # noqa: E402  (they import Family)
+from . import qwen2, qwen3, smollm3  # noqa: E402
 from . import mixtral, qwen3_moe  # noqa: E402  (mixtures of experts)
 
 # model_type -> its entry: one line per family
@@ -66,13 +67,15 @@ REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     olmo2.FAMILY,
     mixtral.FAMILY,
     qwen3_moe.FAMILY,
+    olmo3.FAMILY,
+    smollm3.FAMILY,
 )}
 # the fields of Config that only some families set; a family sets each to its default, to the
 # value in its `switches`, or (in `varies`) to what its config.json says
 SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "norm_offset",
             "sandwich_norm", "pre_norm", "mlp_act", "embed_scale", "attn_scale", "layer_types",
             "rope_local_theta", "n_experts", "n_experts_active", "moe_ffn_size", "moe_router",
-            "moe_renormalize", "mlp_types")
+            "moe_renormalize", "mlp_types", "no_rope_layers")
 COMPUTED = ("llmtrace computes Llama-family models "
             f"({', '.join(f.label for f in REGISTRY.values())})")
 # model_types refused by name, for what they compute instead of a Llama block
