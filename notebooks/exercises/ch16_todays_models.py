@@ -95,6 +95,7 @@ def moe_of_layer_0(model) -> Model:
     moe = MoeWeights(router=gate.mean(dim=1), gate=gate, up=up, down=down)  # router [E, D]
     layer = dataclasses.replace(lw, gate=None, up=None, down=None, moe=moe)
     config = c.replace(n_layers=1, layer_types=c.layer_types[:1], n_experts=EXPERTS,
+                       no_rope_layers=c.no_rope_layers[:1],
                        n_experts_active=CHOSEN, moe_ffn_size=F)
     return Model(config, Weights(w.embed, [layer], w.final_norm, w.lm_head), model.tokenizer)
 
