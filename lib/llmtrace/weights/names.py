@@ -6,6 +6,7 @@ costs all read it.
 from __future__ import annotations
 
 from ..config import Config
+from ..errors import LlmTraceError
 
 
 # The one table of the weights' names. A layer's tensors: `LayerWeights` field -> (its Hugging Face
@@ -34,6 +35,9 @@ LAYER_TENSORS = {
 # With a norm after each sublayer, HF's "post_attention_layernorm" is that norm after attention,
 # and the norm before the MLP has a name of its own
 SANDWICH_HF_NAMES = {"mlp_norm": "pre_feedforward_layernorm.weight"}
+# A mixture of experts' layer holds `LayerWeights.moe` (moe.MoeWeights) in place of gate, up and
+# down: its tensors' shapes are named "moe.<MoeWeights field>", its HF names `moe_hf_names`
+DENSE_MLP = ("gate", "up", "down")
 MODEL_TENSORS = {
     "embed": ("model.embed_tokens.weight", "token_embd.weight"),
     "final_norm": ("model.norm.weight", "output_norm.weight"),
@@ -50,6 +54,35 @@ def hf_name(field: str, layer: int | None = None, c: Config | None = None) -> st
     if c is not None and c.sandwich_norm:
         name = SANDWICH_HF_NAMES.get(field, name)
     return f"model.layers.{layer}.{name}"
+
+
+def moe_hf_names(c: Config, layer: int) -> dict[str, str | list[str]]:
+    """A MoE layer's Hugging Face names, as `save_pretrained` writes them (moe.hf_moe_weights
+    reads the same): "moe.router" -> its name; "moe.gate", "moe.up", "moe.down" -> one name
+    per expert (Mixtral: block_sparse_moe.experts.{e}.w1; Qwen3-MoE: mlp.experts.{e}.gate_proj)."""
+    from ..moe import HF_EXPERT_NAMES
+
+    if c.family not in HF_EXPERT_NAMES:
+        raise LlmTraceError(f"config {c.name!r}: family {c.family!r} has no mixture-of-experts "
+                            f"weight names: n_experts is computed for "
+                            f"{', '.join(HF_EXPERT_NAMES)}")
+    block, *kinds = HF_EXPERT_NAMES[c.family]
+    p = f"model.layers.{layer}.{block}"
+    names: dict = {"moe.router": f"{p}.gate.weight"}
+    for field, kind in zip(DENSE_MLP, kinds):
+        names[f"moe.{field}"] = [f"{p}.experts.{e}.{kind}.weight" for e in range(c.n_experts)]
+    return names
+
+
+def layers_holding(c: Config, field: str) -> int:
+    """How many copies of a field the model holds: 1 outside the layers; the dense MLP's in
+    its dense layers only, a MoE field's in its MoE layers."""
+    if field in MODEL_TENSORS:
+        return 1
+    moe = sum(c.is_moe(i) for i in range(c.n_layers))
+    if field.startswith("moe."):
+        return moe
+    return c.n_layers - moe if field in DENSE_MLP else c.n_layers
 
 
 def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
@@ -70,7 +103,12 @@ def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
         shapes["post_attn_norm"] = (D,)
     if c.pre_norm:
         shapes["mlp_norm"] = (D,)
-    shapes.update({"gate": (F, D), "up": (F, D), "down": (D, F)})
+    if layers_holding(c, "gate"):  # some layer is dense
+        shapes.update({"gate": (F, D), "up": (F, D), "down": (D, F)})
+    if c.n_experts:  # stacked: expert e's matrix at [e]
+        E, Fm = c.n_experts, c.moe_ffn_size
+        shapes.update({"moe.router": (E, D), "moe.gate": (E, Fm, D), "moe.up": (E, Fm, D),
+                       "moe.down": (E, D, Fm)})
     if c.sandwich_norm:  # and after the MLP
         shapes["post_mlp_norm"] = (D,)
     shapes["final_norm"] = (D,)
@@ -84,5 +122,11 @@ def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
     shapes = tensor_shapes(c)
     out = {hf_name(f): shapes[f] for f in MODEL_TENSORS if f in shapes}
     for i in range(c.n_layers):
-        out.update({hf_name(f, i, c): shapes[f] for f in LAYER_TENSORS if f in shapes})
+        moe = c.is_moe(i)
+        out.update({hf_name(f, i, c): shapes[f] for f in LAYER_TENSORS
+                    if f in shapes and not (moe and f in DENSE_MLP)})
+        if moe:  # each expert's matrix under its own name
+            for field, names in moe_hf_names(c, i).items():
+                for name in [names] if isinstance(names, str) else names:
+                    out[name] = shapes[field][1:] if field != "moe.router" else shapes[field]
     return out
