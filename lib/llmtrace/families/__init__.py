@@ -55,6 +55,7 @@ class Family:
 
 from . import gemma3, llama, mistral, olmo2, qwen2, qwen3  # noqa: E402  (they import Family)
 from . import mixtral, qwen3_moe  # noqa: E402  (mixtures of experts)
+from . import deepseek_v2, deepseek_v3  # noqa: E402  (latent attention)
 
 # model_type -> its entry: one line per family
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (
@@ -66,21 +67,26 @@ REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     olmo2.FAMILY,
     mixtral.FAMILY,
     qwen3_moe.FAMILY,
+    deepseek_v3.FAMILY,
+    deepseek_v2.FAMILY,
 )}
 # the fields of Config that only some families set; a family sets each to its default, to the
 # value in its `switches`, or (in `varies`) to what its config.json says
 SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "norm_offset",
             "sandwich_norm", "pre_norm", "mlp_act", "embed_scale", "attn_scale", "layer_types",
             "rope_local_theta", "n_experts", "n_experts_active", "moe_ffn_size", "moe_router",
-            "moe_renormalize", "mlp_types")
+            "moe_renormalize", "mlp_types", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+            "v_head_dim", "rope_interleave", "n_shared_experts", "moe_groups",
+            "moe_groups_chosen", "moe_scaling")
 COMPUTED = ("llmtrace computes Llama-family models "
             f"({', '.join(f.label for f in REGISTRY.values())})")
 # model_types refused by name, for what they compute instead of a Llama block
-MOE = ("qwen2_moe", "deepseek_v2", "deepseek_v3", "olmoe", "dbrx", "granitemoe", "phimoe",
-       "jamba", "llama4", "gpt_oss")
+MOE = ("qwen2_moe", "olmoe", "dbrx", "granitemoe", "phimoe", "jamba", "llama4", "gpt_oss")
 # the families whose experts are computed (moe.py): their config.json's experts are read
 WITH_EXPERTS = tuple(f.model_type for f in REGISTRY.values() if "n_experts" in f.varies)
-MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+MLA = ("kimi_k2",)
+# the families whose latent attention is computed (mla.py)
+MLA_COMPUTED = tuple(f.model_type for f in REGISTRY.values() if "kv_lora_rank" in f.varies)
 SOFTCAP = ("gemma2",)
 NOT_TEXT = {"gemma3": gemma3.WITH_VISION}  # a family's text model is computed, not this one
 
@@ -155,6 +161,7 @@ def refuse_unsupported(c: dict, where: str) -> None:
                             f"few of many MLPs) is implemented only as {labels} compute it, "
                             f"not for model_type {family!r}: {COMPUTED}")
     latent = next((k for k in ("kv_lora_rank", "q_lora_rank") if c.get(k)), None)
+    latent = None if family in MLA_COMPUTED else latent
     if latent or family in MLA:
         what = f"{latent}={c[latent]}" if latent else f"model_type {family!r}"
         raise LlmTraceError(f"{where}: multi-head latent attention ({what}: K and V rebuilt "
@@ -166,9 +173,10 @@ def refuse_unsupported(c: dict, where: str) -> None:
         raise LlmTraceError(f"{where}: attention logit soft-capping ({what}: scores squashed "
                             f"by tanh) is not implemented: {COMPUTED}")
     kind, _ = rope_kind(c)
-    if kind not in ("default", "llama3"):
+    if kind not in ("default", "llama3", "yarn"):
         raise LlmTraceError(f"{where}: rope_scaling of type {kind!r} (RoPE stretched for long "
-                            f"contexts) is not implemented, only Llama 3's 'llama3': {COMPUTED}")
+                            f"contexts) is not implemented, only Llama 3's 'llama3' and "
+                            f"'yarn': {COMPUTED}")
     rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
     for label, params in (("partial_rotary_factor", c), ("rope_parameters.partial_rotary_factor",
                                                          rope)):
