@@ -136,7 +136,7 @@ def mla_problems(v: dict, key=str) -> list[str]:
     if v["n_kv_heads"] != v["n_heads"]:
         problems.append(f"{key('n_kv_heads')}={v['n_kv_heads']} must equal {key('n_heads')}="
                         f"{v['n_heads']}: latent attention rebuilds K and V for every head")
-    if v["sliding_window"] or v["layer_types"]:
+    if any((v["sliding_window"], v["layer_types"])):
         problems.append("a sliding window with latent attention is no model computed here")
     return problems
 

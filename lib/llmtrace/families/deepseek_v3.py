@@ -44,7 +44,10 @@ def mla_fields(k: HFKeys, interleave: bool) -> dict:
     if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 1):
         raise LlmTraceError(f"{where}: q_lora_rank={q!r} must be a positive integer, or null "
                             f"(one q_proj, as DeepSeek-V2-Lite)")
-    return dict(kv_lora_rank=k.default("kv_lora_rank", int, least=1),
+    # HF's attention rebuilds K and V for every head and reads no num_key_value_heads: left
+    # out, it is num_attention_heads (written otherwise, config_problems refuses it)
+    heads = {} if "num_key_value_heads" in c else {"n_kv_heads": k.get("num_attention_heads", int)}
+    return dict(**heads, kv_lora_rank=k.default("kv_lora_rank", int, least=1),
                 q_lora_rank=q or 0,
                 qk_nope_head_dim=k.default("qk_nope_head_dim", int, least=1),
                 v_head_dim=k.default("v_head_dim", int, least=1),
@@ -59,6 +62,10 @@ def moe_fields(k: HFKeys, router: str, renormalize: bool) -> dict:
     if dense == n:  # no layer has experts
         return {}
     grouped = router == "sigmoid_group"  # V2's greedy softmax router reads no groups
+    if k.c.get("num_experts_per_tok", k.defaults["num_experts_per_tok"]) is None:
+        raise LlmTraceError(f"{k.where}: num_experts_per_tok is null or left out "
+                            f"({k.config_class}'s default, which routes to no expert): give "
+                            f"the number of experts each position goes to, e.g. 6")
     return dict(n_experts=k.default("n_routed_experts", int, least=1),
                 n_experts_active=k.default("num_experts_per_tok", int, least=1),
                 moe_ffn_size=k.default("moe_intermediate_size", int, least=1),
