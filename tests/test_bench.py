@@ -86,3 +86,12 @@ def test_bench_rejects_zero_threads(capsys):
         bench.main(["--threads", "0", "--json", "/nonexistent/bench.json"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip() == "error: threads must be at least 1, got 0"
+
+
+def test_the_671b_trace_is_reported_against_its_target():
+    from bench.bench import META_671B_TARGET_S, report_meta
+
+    m = {"deepseek-v3": {"first_s": 3.0, "warm_s": 2.5}}
+    assert "0.30x   target < 1x   ok" in report_meta(m)
+    m["deepseek-v3"]["first_s"] = META_671B_TARGET_S + 1
+    assert report_meta(m).endswith("MISSED")
