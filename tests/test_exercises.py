@@ -402,7 +402,13 @@ WRONG = {
     "patch_country": [(lambda stream, other, pos: other.clone(), "only the country's position")],
     "head_logit_attribution": [(dla_own_rms, "freeze the final norm's divisor")],
     "sliding_window_mask": [(window_sees_one_more, "off by one")],
+    "rebuild_kv": [(lambda lat, kv_b, H, dn: tuple(reversed(rebuild_kv(lat, kv_b, H, dn))),
+                    "its key part")],
 }
+
+
+def rebuild_kv(latent, kv_b, n_heads, nope_dim):
+    return solution("rebuild_kv")(latent, kv_b, n_heads, nope_dim)
 
 
 def test_every_exercise_has_a_wrong_version():
