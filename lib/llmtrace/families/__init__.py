@@ -164,8 +164,10 @@ def refuse_unsupported(c: dict, where: str) -> None:
     latent = None if family in MLA_COMPUTED else latent
     if latent or family in MLA:
         what = f"{latent}={c[latent]}" if latent else f"model_type {family!r}"
+        labels = " and ".join(REGISTRY[f].label for f in MLA_COMPUTED)
         raise LlmTraceError(f"{where}: multi-head latent attention ({what}: K and V rebuilt "
-                            f"from a small latent) is not implemented: {COMPUTED}")
+                            f"from a small latent) is implemented for {labels} only: "
+                            f"{COMPUTED}")
     capped = next((k for k in ("attn_logit_softcapping", "final_logit_softcapping")
                    if c.get(k)), None)
     if capped or family in SOFTCAP:
