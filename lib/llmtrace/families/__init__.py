@@ -148,6 +148,12 @@ def write_hf(c: Config) -> dict:
     return family.write(c, {"architectures": [family.model_class], **llama_hf(c)})
 
 
+def listed(labels) -> str:
+    """"A, B and C"."""
+    *rest, last = labels
+    return f"{', '.join(rest)} and {last}" if rest else last
+
+
 def refuse_unsupported(c: dict, where: str) -> None:
     """Settings that change what the model computes, which this forward pass does not implement:
     running such a checkpoint would print wrong logits as if they were right."""
@@ -156,7 +162,7 @@ def refuse_unsupported(c: dict, where: str) -> None:
                     if isinstance(c.get(k), int) and c[k] > 0), None)
     if (experts or family in MOE) and family not in WITH_EXPERTS:
         what = f"{experts}={c[experts]}" if experts else f"model_type {family!r}"
-        labels = " and ".join(REGISTRY[f].label for f in WITH_EXPERTS)
+        labels = listed(REGISTRY[f].label for f in WITH_EXPERTS)
         raise LlmTraceError(f"{where}: a mixture of experts ({what}: each token goes through a "
                             f"few of many MLPs) is implemented only as {labels} compute it, "
                             f"not for model_type {family!r}: {COMPUTED}")
@@ -164,7 +170,7 @@ def refuse_unsupported(c: dict, where: str) -> None:
     latent = None if family in MLA_COMPUTED else latent
     if latent or family in MLA:
         what = f"{latent}={c[latent]}" if latent else f"model_type {family!r}"
-        labels = " and ".join(REGISTRY[f].label for f in MLA_COMPUTED)
+        labels = listed(REGISTRY[f].label for f in MLA_COMPUTED)
         raise LlmTraceError(f"{where}: multi-head latent attention ({what}: K and V rebuilt "
                             f"from a small latent) is implemented for {labels} only: "
                             f"{COMPUTED}")
