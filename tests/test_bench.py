@@ -99,3 +99,10 @@ def test_peers_table_says_which_peer_was_skipped():
     lines = peers.table(r).splitlines()
     assert lines[2] == "| llmtrace, every value | 0.961x (0.900-1.050) | 495.4 MiB | 905 | 24,584 | 0 |"
     assert lines[3] == "| nnsight | not installed: skipped | | | | |"
+def test_the_671b_trace_is_reported_against_its_target():
+    from bench.bench import META_671B_TARGET_S, report_meta
+
+    m = {"deepseek-v3": {"first_s": 3.0, "warm_s": 2.5}}
+    assert "0.30x   target < 1x   ok" in report_meta(m)
+    m["deepseek-v3"]["first_s"] = META_671B_TARGET_S + 1
+    assert report_meta(m).endswith("MISSED")

@@ -38,9 +38,13 @@ def hf_end_ids(hf) -> tuple:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_key_left_out_gets_hfs_default(tmp_path, family):
     vocab = {"vocab_size": 128256} if family == "smollm3" else {}  # its default ids: 128000...
-    ours, hf = both(tmp_path, {"model_type": family, **SHAPES, **vocab})
+    # DeepseekV2Config's num_experts_per_tok is None: no model; llmtrace asks for it
+    routed = {"num_experts_per_tok": 6} if family == "deepseek_v2" else {}
+    ours, hf = both(tmp_path, {"model_type": family, **SHAPES, **vocab, **routed})
     assert type(hf).__name__ == families.REGISTRY[family].config_class
-    assert ours.n_kv_heads == hf.num_key_value_heads
+    # latent attention has a K and V per head, whatever num_key_value_heads says (HF reads none)
+    latent = family in families.MLA_COMPUTED
+    assert ours.n_kv_heads == (hf.num_attention_heads if latent else hf.num_key_value_heads)
     width = getattr(hf, "head_dim", None)  # Qwen2Config has none: hidden / heads
     assert ours.head_dim == (hf.hidden_size // 32 if width is None else width)
     assert ours.max_positions == hf.max_position_embeddings

@@ -406,7 +406,13 @@ WRONG = {
                         "renormalize")],
     "layers_without_rope": [(lambda acts, n: [i for i in range(n) if not torch.equal(
         acts[f"layers.{i}.attn.rope_q"], acts[f"layers.{i}.attn.q"])], "RoPE turned")],
+    "rebuild_kv": [(lambda lat, kv_b, H, dn: tuple(reversed(rebuild_kv(lat, kv_b, H, dn))),
+                    "its key part")],
 }
+
+
+def rebuild_kv(latent, kv_b, n_heads, nope_dim):
+    return solution("rebuild_kv")(latent, kv_b, n_heads, nope_dim)
 
 
 def test_every_exercise_has_a_wrong_version():

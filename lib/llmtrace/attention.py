@@ -115,7 +115,7 @@ def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0,
         weights = trace.record(f"{name}.weights", "softmax over keys (rows sum to 1)",
                                F.softmax(scores, dim=-1))  # [B, H, T, S]
     return trace.record(f"{name}.weighted_sum", "weights @ v",
-                        weights @ v, lead * T * S * d)  # [B, H, T, d]
+                        weights @ v, lead * T * S * v.shape[-1])  # [B, H, T, dv]
 
 
 def sink_softmax(scores, sinks, trace=NO_TRACE, name="attn"):

@@ -131,6 +131,8 @@ def _(model) -> Case:
                     (from_logits, "the weights are probabilities: a softmax over the E "
                                   "logits first"),
                     (smallest, "the k largest probabilities: torch.topk keeps the largest")])
+
+
 def layers_without_rope(acts: dict, n_layers: int) -> list:
     """Which layers have no RoPE (SmolLM3's NoPE layers), read off a traced run. acts: for each
     layer i, `layers.{i}.attn.rope_q` (the queries after RoPE's step) and what that step
@@ -173,3 +175,59 @@ def _(model) -> Case:
                      "those are the layers RoPE turned: keep the ones it left alone"),
                     (lambda a, n: [i + 1 for i in want],
                      "layers count from 0, as their record names do")])
+
+
+def rebuild_kv(latent: torch.Tensor, kv_b: torch.Tensor, n_heads: int,
+               nope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latent attention's keys and values from its cache (DeepSeek-V3). latent [B, S, R], the
+    cached latents; kv_b [H * (dn + dv), R], kv_b_proj's weight, whose rows are head 0's
+    dn key rows and dv value rows, then head 1's... -> (k_nope [B, S, H, dn], v [B, S, H, dv]):
+    every head's key part without RoPE, and its value."""
+    B, S, _ = latent.shape
+    kv = (latent @ kv_b.T).view(B, S, n_heads, -1)  # [B, S, H, dn + dv]
+    return kv[..., :nope_dim], kv[..., nope_dim:]
+
+
+@exercise(16, rebuild_kv)
+def _(model) -> Case:
+    """The running model's layer-0 input (its normed stream for the prompt) through a latent
+    attention layer of random weights of the running model's width, built from the library's
+    pieces (mla.py): the cached latents it records, its kv_b_proj weight, and the keys and
+    values it rebuilt from them."""
+    from llmtrace.attention import Positions
+    from llmtrace.mla import MlaDims, MlaWeights, mla_attention
+
+    D = model.config.hidden_size
+    H, R, dn, dr, dv = 4, 16, 8, 4, 6
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
+    w = MlaWeights(kv_a=rand(R + dr, D), kv_a_norm=torch.ones(R), kv_b=rand(H * (dn + dv), R),
+                   o_proj=rand(D, H * dv), q_proj=rand(H * (dn + dr), D))
+    d = MlaDims(H, R, dn, dr, dv)
+    _, trace = model.run(model.encode(PROMPT), names=["layers.0.attn_norm"])
+    x = trace["layers.0.attn_norm"]  # [1, T, D]
+    T = x.shape[1]
+    pos = Positions.of(0, T, model.config.replace(head_dim=dr), x.device)
+    records = Trace(names=["attn.kv_cache.latent", "attn.k", "attn.v"])
+    mla_attention(x, w, d, pos, trace=records)
+    latent = records["attn.kv_cache.latent"]  # [1, T, R]
+    want = (records["attn.k"][..., :dn], records["attn.v"])  # [1, T, H, dn], [1, T, H, dv]
+
+    def keys_first(latent, kv_b, n_heads, nope_dim):  # all keys' rows, then all values'
+        B, S, _ = latent.shape
+        kv = latent @ kv_b.T  # [B, S, H*(dn+dv)]
+        k = kv[..., :n_heads * nope_dim].reshape(B, S, n_heads, nope_dim)
+        return k, kv[..., n_heads * nope_dim:].reshape(B, S, n_heads, -1)
+
+    return Case(caller(latent, w.kv_b, H, dn), want,
+                f"k_nope {shape(want[0])} and v {shape(want[1])}",
+                tuple_compare(("k_nope", "v"), 1e-5), [
+                    (keys_first, "kv_b_proj's rows go head by head: head 0's dn key rows and "
+                                 "dv value rows, then head 1's; view as [B, S, H, dn + dv] "
+                                 "before splitting"),
+                    (lambda lat, kv_b, H, dn: tuple(reversed(rebuild_kv(lat, kv_b, H, dn))),
+                     "each head's first nope_dim numbers are its key part, the rest its "
+                     "value")])
