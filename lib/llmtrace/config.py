@@ -221,6 +221,19 @@ class Config:
     mlp_types: tuple = ()  # per layer "dense" or "moe"; () = every layer MoE if n_experts
     # SmolLM3: per layer 1 (RoPE) or 0 (no RoPE: NoPE), HF's no_rope_layers; () = RoPE everywhere
     no_rope_layers: tuple = ()
+    # DeepSeek's multi-head latent attention (`mla`): K and V rebuilt from a cached latent of
+    # kv_lora_rank numbers; 0 is grouped-query attention. head_dim is then the rotated part
+    # of each query and key (HF's qk_rope_head_dim), beside qk_nope_head_dim without RoPE
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # the queries' own latent (DeepSeek-V3); 0: one q_proj (V2-Lite)
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # RoPE turns adjacent pairs (2i, 2i+1), as DeepSeek's
+    # DeepSeek's mixture of experts: shared experts every position runs, groups of experts
+    n_shared_experts: int = 0  # one dense MLP n_shared_experts x moe_ffn_size wide
+    moe_groups: int = 1  # the experts split into groups (HF's n_group) ...
+    moe_groups_chosen: int = 1  # ... of which each position chooses the best (topk_group)
+    moe_scaling: float = 1.0  # the chosen experts' weights' factor (routed_scaling_factor)
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # as HF writes it: keep it hashable, in order
@@ -265,6 +278,10 @@ class Config:
         if self.mlp_types:
             return self.mlp_types[layer] == "moe"
         return self.n_experts > 0
+
+    def has_rope(self, layer: int) -> bool:
+        """Does this layer turn q and k by their position? SmolLM3 leaves every fourth alone."""
+        return not self.no_rope_layers or self.no_rope_layers[layer] == 1
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)

@@ -310,7 +310,8 @@ def one_layer_of_each_kind(config: Config, **changes) -> tuple[Model, list[list[
              config.mlp_types[i] if config.mlp_types else None) for i in range(config.n_layers)]
     kinds = list(dict.fromkeys(kind))
     one = meta_model(config.replace(
-        n_layers=len(kinds), **changes, no_rope_layers=(),  # a NoPE layer records the same shapes
+        n_layers=len(kinds), **changes,
+        no_rope_layers=(),  # a NoPE layer records the same shapes
         layer_types=tuple(a for a, _ in kinds) if config.layer_types else (),
         mlp_types=tuple(m for _, m in kinds) if config.mlp_types else ()))
     return one, [[i for i in range(config.n_layers) if kind[i] == k] for k in kinds]

@@ -88,6 +88,8 @@ MOE = ("qwen2_moe", "olmoe", "dbrx", "granitemoe", "phimoe", "jamba", "llama4", 
 # the families whose experts are computed (moe.py): their config.json's experts are read
 WITH_EXPERTS = tuple(f.model_type for f in REGISTRY.values() if "n_experts" in f.varies)
 MLA = ("kimi_k2",)
+# the families whose YaRN is computed and checked against their HF class (rope.py)
+YARN = ("deepseek_v3", "deepseek_v2")
 # the families whose latent attention is computed (mla.py)
 MLA_COMPUTED = tuple(f.model_type for f in REGISTRY.values() if "kv_lora_rank" in f.varies)
 SOFTCAP = ("gemma2",)
@@ -188,6 +190,10 @@ def refuse_unsupported(c: dict, where: str) -> None:
         raise LlmTraceError(f"{where}: rope_scaling of type {kind!r} (RoPE stretched for long "
                             f"contexts) is not implemented, only Llama 3's 'llama3' and "
                             f"'yarn': {COMPUTED}")
+    if kind == "yarn" and family not in YARN:
+        raise LlmTraceError(f"{where}: rope_scaling of type 'yarn' (RoPE stretched for long "
+                            f"contexts) is implemented for "
+                            f"{listed(REGISTRY[f].label for f in YARN)} only: {COMPUTED}")
     rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
     for label, params in (("partial_rotary_factor", c), ("rope_parameters.partial_rotary_factor",
                                                          rope)):
