@@ -404,7 +404,17 @@ WRONG = {
     "sliding_window_mask": [(window_sees_one_more, "off by one")],
     "sink_share": [(lambda scores, sinks: 1 - torch.softmax(scores, -1).sum(-1),
                     "one more column")],
+    "choose_experts": [(lambda logits, k: torch.topk(torch.softmax(logits, -1), k, -1)[::-1],
+                        "renormalize")],
+    "layers_without_rope": [(lambda acts, n: [i for i in range(n) if not torch.equal(
+        acts[f"layers.{i}.attn.rope_q"], acts[f"layers.{i}.attn.q"])], "RoPE turned")],
+    "rebuild_kv": [(lambda lat, kv_b, H, dn: tuple(reversed(rebuild_kv(lat, kv_b, H, dn))),
+                    "its key part")],
 }
+
+
+def rebuild_kv(latent, kv_b, n_heads, nope_dim):
+    return solution("rebuild_kv")(latent, kv_b, n_heads, nope_dim)
 
 
 def test_every_exercise_has_a_wrong_version():

@@ -133,7 +133,7 @@ def oss_json(**changes) -> dict:
      "rope_scaling finetuned=True is not computed for YaRN"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": "8",
                           "original_max_position_embeddings": 32}},
-     "rope_parameters factor='8' must be a positive number"),
+     "rope_scaling factor='8' must be a positive number"),
     ({"rope_parameters": {"rope_type": "longrope", "factor": 8.0}},
      "rope_scaling of type 'longrope'"),
     ({"experts_per_token": 3}, "experts_per_token=3 and num_experts_per_tok=2 disagree"),
@@ -151,7 +151,7 @@ def test_yarn_is_computed_for_gpt_oss_only():
     llama = {**hf_config("llama").to_dict(),
              "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e4,
                                  "original_max_position_embeddings": 32}}
-    with pytest.raises(LlmTraceError, match="'yarn' for gpt_oss"):
+    with pytest.raises(LlmTraceError, match="'yarn' .* implemented for DeepSeek-V3, DeepSeek-V2 and gpt-oss only"):
         Config.from_hf(llama)
 
 

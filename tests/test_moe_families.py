@@ -119,7 +119,8 @@ def qwen3_moe_json(**changes) -> dict:
 @pytest.mark.parametrize("change, says", [
     ({"model_type": "qwen2_moe"}, "a mixture of experts (num_local_experts=4: each token"),
     ({"model_type": "qwen2_moe"}, "not for model_type 'qwen2_moe'"),
-    ({"model_type": "deepseek_v3"}, "implemented only as Mixtral, Qwen3-MoE and gpt-oss compute"),
+    ({"model_type": "olmoe"}, "implemented only as Mixtral, Qwen3-MoE, DeepSeek-V3, "
+                              "DeepSeek-V2 and gpt-oss compute it"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 must lie in 1 .. num_experts=4"),
     ({"num_experts": 4, "num_local_experts": 8}, "num_experts=4 and num_local_experts=8 "
                                                  "disagree"),
@@ -163,3 +164,36 @@ def test_dense_layers_and_sliding_window_read_back():
     assert Config.from_hf(qwen3_moe_json(sliding_window=4)).sliding_window == 0
     assert Config.from_hf(qwen3_moe_json(sliding_window=4, use_sliding_window=True)
                           ).sliding_window == 4
+
+
+def test_gguf_experts_are_refused_by_key():
+    with pytest.raises(LlmTraceError, match="llama.expert_count=8 .a mixture of experts. is "
+                                            "not read from GGUF: load the Hugging Face"):
+        Config.from_gguf({"general.architecture": "llama", "llama.expert_count": 8})
+
+
+# The published config.json of each preset, the keys that fix its shapes and routing
+# (mistralai/Mixtral-8x7B-v0.1 and Qwen/Qwen3-30B-A3B on the hub)
+PUBLISHED_JSON = {
+    "mixtral-8x7b": dict(
+        model_type="mixtral", bos_token_id=1, eos_token_id=2, hidden_act="silu",
+        hidden_size=4096, intermediate_size=14336, max_position_embeddings=32768,
+        num_attention_heads=32, num_experts_per_tok=2, num_hidden_layers=32,
+        num_key_value_heads=8, num_local_experts=8, rms_norm_eps=1e-05,
+        rope_theta=1000000.0, router_aux_loss_coef=0.02, sliding_window=None,
+        tie_word_embeddings=False, vocab_size=32000),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", attention_bias=False, bos_token_id=151643,
+        decoder_sparse_step=1, eos_token_id=151645, head_dim=128, hidden_act="silu",
+        hidden_size=2048, intermediate_size=6144, max_position_embeddings=40960,
+        max_window_layers=48, mlp_only_layers=[], moe_intermediate_size=768,
+        norm_topk_prob=True, num_attention_heads=32, num_experts=128, num_experts_per_tok=8,
+        num_hidden_layers=48, num_key_value_heads=4, rms_norm_eps=1e-06, rope_scaling=None,
+        rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False,
+        use_sliding_window=False, vocab_size=151936),
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED_JSON)
+def test_presets_are_the_published_config_json(name):
+    assert Config.from_hf(PUBLISHED_JSON[name], name=name) == Config.from_name(name)

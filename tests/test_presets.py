@@ -16,10 +16,12 @@ from llmtrace.cost import parameter_count
 # 30.5B from Qwen3-30B-A3B's model card)
 PUBLISHED = {"llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248,
              "qwen3-0.6b": 596_049_920, "mistral-7b-v0.1": 7_241_732_096, "olmo-2-1b": 1.48,
-             "mixtral-8x7b": 46.7, "qwen3-30b-a3b": 30.5}
+             "mixtral-8x7b": 46.7, "qwen3-30b-a3b": 30.5,
+             "olmo-3-7b": 7.3, "smollm3-3b": 3.08}  # SmolLM3-3B's card: 3.08B; OLMo 3's
+# only says "7B" (7B and 32B scales): 7.30B is its HF class's count, to two digits
 FAMILY = {"llama-3.2-1b": "llama", "llama-3.1-8b": "llama", "qwen3-0.6b": "qwen3",
           "mistral-7b-v0.1": "mistral", "olmo-2-1b": "olmo2", "mixtral-8x7b": "mixtral",
-          "qwen3-30b-a3b": "qwen3_moe"}
+          "qwen3-30b-a3b": "qwen3_moe", "olmo-3-7b": "olmo3", "smollm3-3b": "smollm3"}
 
 
 def hf_meta_count(c: Config) -> int:

@@ -8,7 +8,8 @@ runs on real fp32 weights (values) and on PyTorch's `meta` device (shapes only, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from operator import attrgetter
 
 import torch
 import torch.nn.functional as F
@@ -19,22 +20,23 @@ from .config import Config
 from .embed import embed
 from .errors import LlmTraceError
 from .kv_cache import KVCache
+from .mla import LatentCache, MlaDims, MlaWeights, mla_attention
 from .memory import check_budget, keep_freed_memory_if_asked, needs_estimate
 from .mlp import swiglu
 from .moe import MoeWeights, hf_gpt_oss_tensors, hf_moe_weights, moe_mlp
 from .norm import rms_norm
 from .trace import NO_TRACE, Patched, Trace
-from .weights.names import (FUSED_EXPERTS, LAYER_TENSORS, MODEL_TENSORS, expected_shapes, hf_name,
-                            moe_hf_names)
+from .weights.names import (FUSED_EXPERTS, LAYER_TENSORS, MLA_TENSORS, MODEL_TENSORS,
+                            expected_shapes, hf_name, moe_hf_names, tensor_shapes)
 
 
 @dataclass(kw_only=True)
 class LayerWeights:
     attn_norm: torch.Tensor | None = None  # [D]   (None: no norm before a sublayer, OLMo 2)
-    q_proj: torch.Tensor  # [H*hd, D]   (out, in), as F.linear takes it
-    k_proj: torch.Tensor  # [KV*hd, D]
-    v_proj: torch.Tensor  # [KV*hd, D]
-    o_proj: torch.Tensor  # [D, H*hd]
+    q_proj: torch.Tensor | None = None  # [H*hd, D]   (out, in), as F.linear takes it
+    k_proj: torch.Tensor | None = None  # [KV*hd, D]   (None: latent attention's `mla`)
+    v_proj: torch.Tensor | None = None  # [KV*hd, D]
+    o_proj: torch.Tensor | None = None  # [D, H*hd]
     mlp_norm: torch.Tensor | None = None  # [D]
     gate: torch.Tensor | None = None  # [F, D]   (None in a mixture of experts' layer)
     up: torch.Tensor | None = None  # [F, D]
@@ -49,6 +51,7 @@ class LayerWeights:
     sinks: torch.Tensor | None = None  # [H]   attn_sinks (gpt-oss): each head's sink logit
     o_bias: torch.Tensor | None = None  # [D]   o_bias (gpt-oss)
     moe: MoeWeights | None = None  # a mixture of experts in place of gate, up, down (Mixtral)
+    mla: MlaWeights | None = None  # kv_lora_rank (DeepSeek): latent attention's weights
 
 
 @dataclass
@@ -72,7 +75,9 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
                                 f"but the config implies {list(shape)}: "
                                 "the checkpoint and its config.json disagree")
     layers = [LayerWeights(**{f: sd[hf_name(f, i, c)] for f in LAYER_TENSORS
-                              if hf_name(f, i, c) in expected})
+                              if hf_name(f, i, c) in expected
+                              and not (c.kv_lora_rank and f in ("q_proj", "o_proj"))},
+                           mla=mla_weights(c, sd, i) if c.kv_lora_rank else None)
               for i in range(c.n_layers)]
     for i, lw in enumerate(layers):
         if c.is_moe(i):  # the experts' matrices stacked, expert e's at [e]
@@ -80,6 +85,18 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
     embed = sd[hf_name("embed")]
     head = embed if c.tied_lm_head else sd[hf_name("lm_head")]
     return Weights(embed, layers, sd[hf_name("final_norm")], head)
+
+
+def mla_weights(c: Config, sd: dict, i: int) -> MlaWeights:
+    """Layer i's latent attention weights, by the names of `MLA_TENSORS`."""
+    shapes = tensor_shapes(c)
+    return MlaWeights(**{f.removeprefix("mla."): sd[hf_name(f, i, c)] for f in MLA_TENSORS
+                         if f in shapes})
+
+
+def mla_dims(c: Config) -> MlaDims:
+    return MlaDims(c.n_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.head_dim, c.v_head_dim,
+                   c.q_lora_rank or None, c.rope_interleave, c.rope_scaling)
 
 
 def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
@@ -92,8 +109,11 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
             sd.update(hf_gpt_oss_tensors(lw.moe, f"model.layers.{i}"))
         elif lw.moe is not None:  # each expert's matrix under its own name
             for field, names in moe_hf_names(c, i).items():
-                t = getattr(lw.moe, field.removeprefix("moe."))
+                t = attrgetter(field.removeprefix("moe."))(lw.moe)  # "shared.gate" too
                 sd.update({names: t} if isinstance(names, str) else dict(zip(names, t)))
+        if lw.mla is not None:
+            sd.update({hf_name(f, i, c): getattr(lw.mla, f.removeprefix("mla.")) for f in
+                       MLA_TENSORS if getattr(lw.mla, f.removeprefix("mla.")) is not None})
     return sd
 
 
@@ -101,7 +121,11 @@ def attn_sublayer(h, w: LayerWeights, config, pos: Positions, cache=None, trace=
                   name="layers.0") -> torch.Tensor:
     """What attention adds to the stream: attention of the normalized stream h [B, T, D];
     sandwich_norm (Gemma): normalized once more before the add."""
-    h = attention(h, w, config, pos, cache, trace, f"{name}.attn")  # [B, T, D]
+    if config.kv_lora_rank:  # DeepSeek: K and V rebuilt from a cached latent
+        h = mla_attention(h, w.mla, mla_dims(config), pos, cache, trace,
+                          f"{name}.attn")  # [B, T, D]
+    else:
+        h = attention(h, w, config, pos, cache, trace, f"{name}.attn")  # [B, T, D]
     if config.sandwich_norm:
         h = rms_norm(h, w.post_attn_norm, config.norm_eps, trace,
                      f"{name}.attn_post_norm", config.norm_offset)  # [B, T, D]
@@ -115,7 +139,9 @@ def mlp_sublayer(h, w: LayerWeights, config, trace=NO_TRACE, name="layers.0") ->
         h = moe_mlp(h, w.moe, config.n_experts_active, config.moe_router,
                     config.moe_renormalize, config.mlp_act, config.swiglu_limit,
                     config.swiglu_alpha, trace=trace,
-                    name=f"{name}.mlp")  # [B, T, D]
+                    name=f"{name}.mlp", n_group=config.moe_groups,
+                    topk_group=config.moe_groups_chosen,
+                    scaling=config.moe_scaling)  # [B, T, D]
     else:
         h = swiglu(h, w, trace, f"{name}.mlp", config.mlp_act)  # [B, T, D]
     if config.sandwich_norm:
@@ -171,8 +197,12 @@ class Model:
         return self.device.type == "meta"
 
     def new_cache(self, max_len: int, batch: int = 1) -> list[KVCache]:
-        """One `KVCache` per layer, for sequences up to max_len positions."""
+        """One `KVCache` per layer, for sequences up to max_len positions (latent attention:
+        one `LatentCache`, the latent and the rotated key part)."""
         c, dtype = self.config, self.weights.embed.dtype
+        if c.kv_lora_rank:
+            return [LatentCache(max_len, c.kv_lora_rank, c.head_dim, batch, self.device, dtype)
+                    for _ in range(c.n_layers)]
         return [KVCache(max_len, c.n_kv_heads, c.head_dim, batch, self.device, dtype)
                 for _ in range(c.n_layers)]
 
@@ -191,6 +221,8 @@ class Model:
             layer_cache = None if cache is None else cache[i]
             # Gemma 3: a sliding layer has its own positions (window, RoPE base)
             layer_pos = pos.local if pos.local and c.is_sliding(i) else pos
+            if c.no_rope_layers and not c.has_rope(i):  # SmolLM3: q, k unturned
+                layer_pos = replace(layer_pos, rope=False)
             x = block(x, lw, c, layer_pos, layer_cache, trace,
                       f"layers.{i}")  # [B, T, D]
         x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm",
@@ -284,6 +316,7 @@ def one_layer_of_each_kind(config: Config, **changes) -> tuple[Model, list[list[
     kinds = list(dict.fromkeys(kind))
     one = meta_model(config.replace(
         n_layers=len(kinds), **changes,
+        no_rope_layers=(),  # a NoPE layer records the same shapes
         layer_types=tuple(a for a, _ in kinds) if config.layer_types else (),
         mlp_types=tuple(m for _, m in kinds) if config.mlp_types else ()))
     return one, [[i for i in range(config.n_layers) if kind[i] == k] for k in kinds]
@@ -312,8 +345,8 @@ def trace_bytes(config: Config, trace: Trace, T: int, decode_steps: int = 0) -> 
     """Bytes the kept values of a prefill of T positions and `decode_steps` one-token steps would
     hold. Every value: `estimate_trace_bytes`. A filter: counted from a shapes-only pass of one
     layer on the meta device (each layer records the same shapes; Gemma 3: one layer of each
-    kind). Each decode step is counted as the last, the largest; views as if they were copies:
-    an upper bound."""
+    kind). Each decode step is counted as the last, the largest; views, and the records a trace
+    recomputes when read, as if they were copies: an upper bound."""
     if trace.keeps_all:  # every value: the closed form, no pass needed
         return estimate_trace_bytes(config, T) + decode_steps * estimate_trace_bytes(
             config, 1, T + decode_steps)

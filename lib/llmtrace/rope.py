@@ -73,6 +73,16 @@ def yarn_checked(s: dict, theta: float | None = None) -> dict:
         if not s.get(key):
             raise LlmTraceError(f"rope_scaling of type 'yarn' needs a positive {key}, "
                                 f"got {s.get(key)!r}: write it in the config")
+    for key in ("attention_factor", "beta_fast", "beta_slow", "factor", "mscale",
+                "mscale_all_dim", "original_max_position_embeddings"):
+        v = s.get(key)
+        least = 0 if key.startswith("mscale") else 1e-300  # mscale 0: not used, as in HF
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or v < least):
+            raise LlmTraceError(f"rope_scaling {key}={v!r} must be a "
+                                f"{'number' if least == 0 else 'positive number'}")
+    if "truncate" in s and not isinstance(s["truncate"], bool):
+        raise LlmTraceError(f"rope_scaling truncate={s['truncate']!r} must be true or false")
     if theta is not None and s.get("rope_theta", theta) != theta:
         raise LlmTraceError(f"rope_scaling rope_theta={s['rope_theta']!r} differs from the "
                             f"RoPE base {theta!r}: write one base")
