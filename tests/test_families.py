@@ -87,7 +87,8 @@ def test_trace_names_show_the_family(family, tiny):
     names, llama = layer_0(trace), layer_0(tiny.run(ids, keep_values=False)[1])
     assert names - llama == ROWS[f].records and llama - names == ROWS[f].lacks
     # Llama 3 adds no record: its RoPE says what turns it
-    assert ("llama3-scaled" in trace.get("layers.0.attn.rope_q").op) == (f == "llama3")
+    rope_q = next(r for r in trace if r.name.endswith(".attn.rope_q"))  # Qwen3-Next: layer 3
+    assert ("llama3-scaled" in rope_q.op) == (f == "llama3")
 
 
 def test_trace_bytes_count_the_family(family):
@@ -101,7 +102,8 @@ def test_trace_bytes_count_the_family(family):
 def test_llama3_frequencies_match_hf(family):
     f, model, hf, _ = family
     c = model.config
-    ours = rope_frequencies(c.head_dim, c.rope_theta, scaling=c.rope_scaling)  # [hd/2]
+    ours = rope_frequencies(c.rotary_dim or c.head_dim, c.rope_theta,
+                            scaling=c.rope_scaling)  # [hd/2] (Qwen3-Next: [rotary_dim/2])
     rotary = hf.model.rotary_emb  # Gemma 3: one set of frequencies per kind of layer
     theirs = getattr(rotary, "inv_freq", None)
     assert torch.allclose(ours, rotary.full_attention_inv_freq if theirs is None else theirs,

@@ -83,6 +83,24 @@ ROWS = {
                                     "mlp_post_norm.mean_sq", "mlp_post_norm"},
                  lacks=frozenset({"attn_norm.mean_sq", "attn_norm", "mlp_norm.mean_sq",
                                   "mlp_norm"})),
+    # three Gated DeltaNet layers, then a full one with an output gate and RoPE on 4 of its 16
+    # dims; layer 0 (the one the names test reads) is a DeltaNet layer
+    "qwen3_next": Row(
+        "Qwen3NextConfig", "Qwen3NextForCausalLM",
+        {**SHARP, "num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2,
+         "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+         "linear_conv_kernel_dim": 4, "num_experts": 0,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.25}},
+        off=({"norm_offset": False}, {"partial_rotary_factor": 1.0}, {"qk_norm": False}),
+        records=frozenset({f"attn.{n}" for n in (
+            "qkvz", "ba", "conv", "conv_state", "z", "g", "beta", "core", "state",
+            "core_norm.mean_sq", "core_norm", "gated_norm")}),
+        lacks=frozenset({f"attn.{n}" for n in (
+            "q_proj", "k_proj", "v_proj", "rope_q", "rope_k", "kv_cache.k", "kv_cache.v",
+            "k_expanded", "v_expanded", "scores", "causal_mask", "masked_scores", "weights",
+            "weighted_sum", "merged")}),
+        norms=(-0.5, 0.5)),  # (1 + w) norms start at 0 in HF; the gated norm's gain too
 }
 
 

@@ -58,14 +58,31 @@ def config_problems(v: dict, key=str) -> list[str]:
         problems.append("pre_norm=False without sandwich_norm: a block with no norm is no "
                         "model computed here; OLMo 2 sets sandwich_norm=True")
     types = v["layer_types"]
-    if not isinstance(types, tuple) or any(t not in ("full", "sliding") for t in types):
-        problems.append(f"{key('layer_types')}={types!r} must be a tuple of 'full' or 'sliding'")
+    if not isinstance(types, tuple) or any(t not in LAYER_KINDS for t in types):
+        problems.append(f"{key('layer_types')}={types!r} must be a tuple of "
+                        f"{', '.join(map(repr, LAYER_KINDS))}")
     elif types and len(types) != v["n_layers"]:
         problems.append(f"{key('layer_types')} names {len(types)} layers, "
                         f"{key('n_layers')}={v['n_layers']}")
     elif "sliding" in types and not v["sliding_window"]:
         problems.append(f"{key('layer_types')} has sliding layers but {key('sliding_window')}="
                         f"{v['sliding_window']}: give its width")
+    elif "linear" in types and not v["linear_attn"]:
+        problems.append(f"{key('layer_types')} has linear layers but no linear_attn "
+                        f"(key heads, value heads, key and value head sizes, conv kernel)")
+    linear = v["linear_attn"]
+    if linear and (not isinstance(linear, tuple) or len(linear) != 5 or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in linear)):
+        problems.append(f"linear_attn={linear!r} must be 5 positive integers (key heads, "
+                        f"value heads, key and value head sizes, conv kernel)")
+    elif linear and (linear[1] % linear[0] or linear[4] < 2):
+        problems.append(f"linear_attn={linear!r}: value heads must be a multiple of key heads "
+                        f"and the conv kernel 2 or more")
+    factor = v["partial_rotary_factor"]
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        problems.append(f"{key('partial_rotary_factor')}={factor!r} must be a number in (0, 1]")
+    if v["attn_output_gate"] is not True and v["attn_output_gate"] is not False:
+        problems.append(f"attn_output_gate={v['attn_output_gate']!r} must be True or False")
     scaling = dict(v["rope_scaling"])
     if scaling and (scaling.get("rope_type") != "llama3" or set(LLAMA3_KEYS) - set(scaling)):
         problems.append(f"{key('rope_scaling')}={scaling} is not Llama 3's (rope_type 'llama3' "
@@ -85,6 +102,10 @@ def shape_problems(v: dict, key=str) -> list[str]:
                         f"smaller than 2 x {key('n_heads')}={v['n_heads']}")
     elif head_dim % 2:
         problems.append(f"{key('head_dim')}={head_dim} is odd, RoPE rotates pairs")
+    elif int(head_dim * v["partial_rotary_factor"]) % 2:
+        problems.append(f"{key('partial_rotary_factor')}={v['partial_rotary_factor']} turns "
+                        f"{int(head_dim * v['partial_rotary_factor'])} of {head_dim} dims: "
+                        f"RoPE rotates pairs")
     for field in OPTIONAL_IDS:
         if v[field] is not None and v[field] >= v["vocab_size"]:
             problems.append(f"{key(field)}={v[field]} is not below "
@@ -136,6 +157,10 @@ class Config:
     attn_scale: float = 0.0  # scores = q @ k^T * attn_scale; 0 means 1 / sqrt(head_dim)
     layer_types: tuple = ()  # per layer "full" or "sliding"; () = every layer alike
     rope_local_theta: float = 0.0  # RoPE base of the sliding layers; 0 means rope_theta
+    # Qwen3-Next's differences (layer_types also names "linear" layers: Gated DeltaNet)
+    attn_output_gate: bool = False  # W_q gives each head a gate: out * sigmoid(gate)
+    partial_rotary_factor: float = 1.0  # RoPE turns this share of each head's dims
+    linear_attn: tuple = ()  # DeltaNet layers' (key heads, value heads, dk, dv, conv kernel)
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # as HF writes it: keep it hashable, in order
@@ -168,6 +193,23 @@ class Config:
         if self.layer_types:
             return self.layer_types[layer] == "sliding"
         return self.sliding_window > 0
+
+    @property
+    def rotary_dim(self) -> int | None:
+        """How many of each head's dims RoPE turns, if not all (Qwen3-Next: a quarter)."""
+        turned = int(self.head_dim * self.partial_rotary_factor)
+        return turned if turned < self.head_dim else None
+
+    def is_linear(self, layer: int) -> bool:
+        """Is this a Gated DeltaNet layer (Qwen3-Next), a fixed state in place of a KV cache?"""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear"
+
+    @property
+    def deltanet_dims(self):
+        """The DeltaNet layers' sizes (`deltanet.DeltaNetDims`), or None if there are none."""
+        from .deltanet import DeltaNetDims
+
+        return DeltaNetDims(*self.linear_attn, self.norm_eps) if self.linear_attn else None
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
@@ -213,6 +255,7 @@ class Config:
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 LLAMA3_KEYS = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
 MLP_ACTS = ("silu", "gelu_tanh")
+LAYER_KINDS = ("full", "sliding", "linear")
 
 
 # Presets by name, as keyword configs (as gpt-fast writes them); `Config.from_name` reads them.

@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .config import Config
-from .weights.names import LAYER_TENSORS, tensor_shapes
+from .weights.names import LAYER_TENSORS, LINEAR_PREFIX, layers_with, tensor_shapes
 
 
 @dataclass
@@ -33,9 +33,9 @@ def parameter_table(c: Config) -> list[ParamRow]:
     """One row per component, in model order; a tied LM head has no row of its own."""
     rows = []
     for field, shape in tensor_shapes(c).items():
-        per_layer = field in LAYER_TENSORS
+        per_layer = field in LAYER_TENSORS or field.startswith(LINEAR_PREFIX)
         component = "embedding" if field == "embed" else field
-        copies = c.n_layers if per_layer else 1
+        copies = layers_with(c, field) if per_layer else 1  # Qwen3-Next: by kind of layer
         rows.append(ParamRow(component, shape, math.prod(shape), copies, per_layer))
     return rows
 

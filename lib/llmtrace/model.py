@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from .attention import Positions, attention
 from .check import check_ids
 from .config import Config
+from .deltanet import DeltaNetState, DeltaNetWeights, gated_deltanet, hf_deltanet_weights
 from .embed import embed
 from .errors import LlmTraceError
 from .kv_cache import KVCache
@@ -29,10 +30,11 @@ from .weights.names import LAYER_TENSORS, MODEL_TENSORS, expected_shapes, hf_nam
 @dataclass(kw_only=True)
 class LayerWeights:
     attn_norm: torch.Tensor | None = None  # [D]   (None: no norm before a sublayer, OLMo 2)
-    q_proj: torch.Tensor  # [H*hd, D]   (out, in), as F.linear takes it
-    k_proj: torch.Tensor  # [KV*hd, D]
-    v_proj: torch.Tensor  # [KV*hd, D]
-    o_proj: torch.Tensor  # [D, H*hd]
+    # (None on a Gated DeltaNet layer, which has `linear` instead: Qwen3-Next)
+    q_proj: torch.Tensor | None = None  # [H*hd, D]   (out, in), as F.linear takes it
+    k_proj: torch.Tensor | None = None  # [KV*hd, D]
+    v_proj: torch.Tensor | None = None  # [KV*hd, D]
+    o_proj: torch.Tensor | None = None  # [D, H*hd]
     mlp_norm: torch.Tensor | None = None  # [D]
     gate: torch.Tensor  # [F, D]
     up: torch.Tensor  # [F, D]
@@ -44,6 +46,7 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None  # [hd]     ([KV*hd], OLMo 2)
     post_attn_norm: torch.Tensor | None = None  # [D]  (sandwich_norm: Gemma)
     post_mlp_norm: torch.Tensor | None = None  # [D]
+    linear: DeltaNetWeights | None = None  # a Gated DeltaNet layer's (layer_types "linear")
 
 
 @dataclass
@@ -67,7 +70,10 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
                                 f"but the config implies {list(shape)}: "
                                 "the checkpoint and its config.json disagree")
     layers = [LayerWeights(**{f: sd[hf_name(f, i, c)] for f in LAYER_TENSORS
-                              if hf_name(f, i, c) in expected})
+                              if hf_name(f, i, c) in expected},
+                           linear=hf_deltanet_weights(sd.__getitem__, f"model.layers.{i}",
+                                                      c.deltanet_dims, c.family)
+                           if c.is_linear(i) else None)
               for i in range(c.n_layers)]
     embed = sd[hf_name("embed")]
     head = embed if c.tied_lm_head else sd[hf_name("lm_head")]
@@ -76,6 +82,9 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
 
 def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
     """The inverse, in HF naming (used to write HF checkpoints)."""
+    if c.linear_attn:
+        raise LlmTraceError(f"config {c.name!r}: writing Gated DeltaNet layers back to a "
+                            f"checkpoint is not implemented: keep the checkpoint they came from")
     sd = {hf_name(f): getattr(w, f) for f in MODEL_TENSORS if f != "lm_head" or not c.tied_lm_head}
     for i, lw in enumerate(w.layers):
         sd.update({hf_name(f, i, c): getattr(lw, f) for f in LAYER_TENSORS
@@ -86,8 +95,14 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
 def attn_sublayer(h, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE,
                   name="layers.0") -> torch.Tensor:
     """What attention adds to the stream: attention of the normalized stream h [B, T, D];
-    sandwich_norm (Gemma): normalized once more before the add."""
-    h = attention(h, w, config, pos, cache, trace, f"{name}.attn")  # [B, T, D]
+    sandwich_norm (Gemma): normalized once more before the add. A Gated DeltaNet layer
+    (Qwen3-Next) mixes the tokens through its state (`cache`) in place of attention."""
+    if w.linear is not None:  # Qwen3-Next: a fixed state per head, no KV cache
+        h = gated_deltanet(h, w.linear, config.deltanet_dims, cache, trace,
+                           f"{name}.attn")  # [B, T, D]
+    else:
+        h = attention(h, w, config, pos, cache, trace, f"{name}.attn",
+                      config.attn_output_gate)  # [B, T, D]
     if config.sandwich_norm:
         h = rms_norm(h, w.post_attn_norm, config.norm_eps, trace,
                      f"{name}.attn_post_norm", config.norm_offset)  # [B, T, D]
@@ -150,11 +165,13 @@ class Model:
     def is_meta(self) -> bool:
         return self.device.type == "meta"
 
-    def new_cache(self, max_len: int, batch: int = 1) -> list[KVCache]:
-        """One `KVCache` per layer, for sequences up to max_len positions."""
+    def new_cache(self, max_len: int, batch: int = 1) -> list[KVCache | DeltaNetState]:
+        """One `KVCache` per layer, for sequences up to max_len positions; a Gated DeltaNet
+        layer (Qwen3-Next) gets its `DeltaNetState` instead, the same size at any length."""
         c, dtype = self.config, self.weights.embed.dtype
-        return [KVCache(max_len, c.n_kv_heads, c.head_dim, batch, self.device, dtype)
-                for _ in range(c.n_layers)]
+        return [DeltaNetState(c.deltanet_dims, batch, self.device, dtype) if c.is_linear(i)
+                else KVCache(max_len, c.n_kv_heads, c.head_dim, batch, self.device, dtype)
+                for i in range(c.n_layers)]
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, trace=NO_TRACE,

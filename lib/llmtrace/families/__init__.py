@@ -44,7 +44,7 @@ class Family:
     not_null: tuple = ()  # NULLABLE keys HF's class types as int: a null is refused
 
 
-from . import gemma3, llama, mistral, olmo2, qwen2, qwen3  # noqa: E402  (they import Family)
+from . import gemma3, llama, mistral, olmo2, qwen2, qwen3, qwen3_next  # noqa: E402
 
 # model_type -> its entry: one line per family
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (
@@ -54,12 +54,13 @@ REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     qwen3.FAMILY,
     gemma3.FAMILY,
     olmo2.FAMILY,
+    qwen3_next.FAMILY,
 )}
 # the fields of Config that only some families set; a family sets each to its default, to the
 # value in its `switches`, or (in `varies`) to what its config.json says
 SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "norm_offset",
             "sandwich_norm", "pre_norm", "mlp_act", "embed_scale", "attn_scale", "layer_types",
-            "rope_local_theta")
+            "rope_local_theta", "attn_output_gate", "partial_rotary_factor", "linear_attn")
 COMPUTED = ("llmtrace computes dense Llama-family models "
             f"({', '.join(f.label for f in REGISTRY.values())})")
 # model_types refused by name, for what they compute instead of a dense Llama block
@@ -153,8 +154,9 @@ def refuse_unsupported(c: dict, where: str) -> None:
         raise LlmTraceError(f"{where}: rope_scaling of type {kind!r} (RoPE stretched for long "
                             f"contexts) is not implemented, only Llama 3's 'llama3': {COMPUTED}")
     rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
-    for label, params in (("partial_rotary_factor", c), ("rope_parameters.partial_rotary_factor",
-                                                         rope)):
+    partial = family in REGISTRY and "partial_rotary_factor" in REGISTRY[family].varies
+    for label, params in () if partial else (("partial_rotary_factor", c),
+                                             ("rope_parameters.partial_rotary_factor", rope)):
         if params.get("partial_rotary_factor", 1.0) not in (1, 1.0):
             raise LlmTraceError(f"{where}: {label}={params['partial_rotary_factor']!r} (RoPE on "
                                 f"part of each head) is not implemented: {COMPUTED}")

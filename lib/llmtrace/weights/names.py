@@ -34,6 +34,11 @@ LAYER_TENSORS = {
 # With a norm after each sublayer, HF's "post_attention_layernorm" is that norm after attention,
 # and the norm before the MLP has a name of its own
 SANDWICH_HF_NAMES = {"mlp_norm": "pre_feedforward_layernorm.weight"}
+# A Gated DeltaNet layer (`layer_types` "linear", Qwen3-Next) has no self_attn tensors: its own,
+# after "model.layers.N.linear_attn.", are read by `deltanet.hf_deltanet_weights`
+ATTN_FIELDS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_bias", "k_bias", "v_bias", "q_norm",
+               "k_norm")
+LINEAR_PREFIX = "linear_attn."
 MODEL_TENSORS = {
     "embed": ("model.embed_tokens.weight", "token_embd.weight"),
     "final_norm": ("model.norm.weight", "output_norm.weight"),
@@ -58,7 +63,10 @@ def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
     when its switch is on."""
     D, hd, V, F = c.hidden_size, c.head_dim, c.vocab_size, c.ffn_size
     shapes = {"embed": (V, D), "attn_norm": (D,)} if c.pre_norm else {"embed": (V, D)}
-    shapes.update(q_proj=(c.n_heads * hd, D), k_proj=(c.kv_size, D), v_proj=(c.kv_size, D))
+    if c.linear_attn:  # Qwen3-Next: the DeltaNet layers' tensors
+        shapes.update(linear_shapes(c))
+    q_rows = 2 * c.n_heads * hd if c.attn_output_gate else c.n_heads * hd  # + a gate per head
+    shapes.update(q_proj=(q_rows, D), k_proj=(c.kv_size, D), v_proj=(c.kv_size, D))
     if c.qkv_bias:
         shapes.update(q_bias=(c.n_heads * hd,), k_bias=(c.kv_size,), v_bias=(c.kv_size,))
     if c.qk_proj_norm:  # OLMo 2: one weight over the whole projection
@@ -79,10 +87,36 @@ def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def linear_shapes(c: Config) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors (`deltanet.DeltaNetWeights`) by their HF names."""
+    d, D = c.deltanet_dims, c.hidden_size
+    return {f"{LINEAR_PREFIX}{name}": shape for name, shape in {
+        "A_log": (d.n_v_heads,), "dt_bias": (d.n_v_heads,),
+        "conv1d.weight": (d.conv_dim, 1, d.conv_kernel),
+        "in_proj_qkvz.weight": (2 * d.key_dim + 2 * d.value_dim, D),
+        "in_proj_ba.weight": (2 * d.n_v_heads, D), "norm.weight": (d.v_head_dim,),
+        "out_proj.weight": (D, d.value_dim)}.items()}
+
+
+def layer_fields(c: Config, layer: int, shapes: dict) -> list[str]:
+    """The fields of `shapes` (`tensor_shapes`) that this layer has: a DeltaNet layer has its
+    linear_attn tensors in place of attention's, a full layer the reverse."""
+    linear = c.is_linear(layer)
+    return [f for f in shapes if (f in LAYER_TENSORS and not (linear and f in ATTN_FIELDS))
+            or (linear and f.startswith(LINEAR_PREFIX))]
+
+
+def layers_with(c: Config, field: str) -> int:
+    """How many layers hold this field's tensor."""
+    shapes = tensor_shapes(c)
+    return sum(field in layer_fields(c, i, shapes) for i in range(c.n_layers))
+
+
 def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
     """Every weight's Hugging Face name and the shape the config implies."""
     shapes = tensor_shapes(c)
     out = {hf_name(f): shapes[f] for f in MODEL_TENSORS if f in shapes}
     for i in range(c.n_layers):
-        out.update({hf_name(f, i, c): shapes[f] for f in LAYER_TENSORS if f in shapes})
+        out.update({(f"model.layers.{i}.{f}" if f.startswith(LINEAR_PREFIX)
+                     else hf_name(f, i, c)): shapes[f] for f in layer_fields(c, i, shapes)})
     return out

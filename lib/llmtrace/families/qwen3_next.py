@@ -1,0 +1,84 @@
+"""Qwen3-Next: three Gated DeltaNet layers (a fixed state per head in place of a KV cache) to one
+full-attention layer, whose queries bring a gate per head and whose RoPE turns a quarter of each
+head; QK-norm; every RMSNorm but DeltaNet's gated one multiplies by (1 + weight)."""
+
+from ..errors import LlmTraceError
+from . import Family
+from ._read import HFKeys, plain_rope
+
+HF_LAYER_KINDS = {"linear_attention": "linear", "full_attention": "full"}
+# Qwen3NextConfig's defaults (transformers 5.24), which are Qwen3-Next-80B-A3B's shapes
+LINEAR_KEYS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32,
+               "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+               "linear_conv_kernel_dim": 4}
+DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "head_dim": 256,
+            "rope_theta": 10_000.0, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+            "bos_token_id": None, "eos_token_id": None, "partial_rotary_factor": 0.25,
+            "full_attention_interval": 4, **LINEAR_KEYS}
+
+
+def layer_kinds(k: HFKeys) -> tuple:
+    """Each layer's kind: `layer_types` as written, else every `full_attention_interval`-th
+    layer full (HF's rule: layer i is full when (i + 1) % interval == 0)."""
+    n, kinds = k.get("num_hidden_layers", int), k.c.get("layer_types")
+    if kinds is None:
+        every = k.default("full_attention_interval", int, least=1)
+        kinds = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                 for i in range(n)]
+    if not isinstance(kinds, list) or any(t not in HF_LAYER_KINDS for t in kinds):
+        raise LlmTraceError(f"{k.where}: layer_types must list 'linear_attention' or "
+                            f"'full_attention' per layer, got {kinds!r:.80}")
+    return tuple(HF_LAYER_KINDS[t] for t in kinds)
+
+
+def rotary_factor(k: HFKeys) -> float:
+    """The share of each head RoPE turns: rope_parameters' partial_rotary_factor, else the
+    top-level key (HF moves it there), else Qwen3NextConfig's 0.25."""
+    rope = k.c.get("rope_parameters") if isinstance(k.c.get("rope_parameters"), dict) else {}
+    given = {label: d["partial_rotary_factor"] for label, d in (
+        ("rope_parameters.partial_rotary_factor", rope), ("partial_rotary_factor", k.c))
+        if d.get("partial_rotary_factor") is not None}
+    for label, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise LlmTraceError(f"{k.where}: {label}={value!r} must be a number in (0, 1] (the "
+                                f"share of each head RoPE turns; Qwen3-Next's is 0.25)")
+    if len(set(given.values())) > 1:
+        raise LlmTraceError(f"{k.where}: " + " and ".join(f"{a}={b}" for a, b in given.items())
+                            + " disagree: keep one")
+    return float(next(iter(given.values()), k.defaults["partial_rotary_factor"]))
+
+
+def read(k: HFKeys) -> dict:
+    linear = tuple(k.default(key, int, least=1) for key in LINEAR_KEYS)
+    return dict(**plain_rope(k), layer_types=layer_kinds(k), linear_attn=linear,
+                partial_rotary_factor=rotary_factor(k))
+
+
+def refuse(c: dict, where: str) -> None:
+    """Settings Qwen3-Next's class has that llmtrace does not compute."""
+    rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
+    scaled = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                       else None)
+    if scaled:
+        raise LlmTraceError(f"{where}: a scaled RoPE ({scaled!r:.60}) is not implemented for "
+                            f"Qwen3-Next: only plain RoPE")
+
+
+def write(c, hf: dict) -> dict:
+    """A Llama config.json made into Qwen3NextConfig's."""
+    for key in ("mlp_bias", "rope_theta"):
+        hf.pop(key)
+    kinds = {v: k for k, v in HF_LAYER_KINDS.items()}
+    return {**hf, "layer_types": [kinds[t] for t in c.layer_types or ("full",) * c.n_layers],
+            **dict(zip(LINEAR_KEYS, c.linear_attn or LINEAR_KEYS.values())),
+            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta,
+                                "partial_rotary_factor": c.partial_rotary_factor},
+            "num_experts": 0}  # every MLP dense
+
+
+FAMILY = Family("qwen3_next", "Qwen3-Next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
+                DEFAULTS, switches={"qk_norm": True, "norm_offset": True,
+                                    "attn_output_gate": True},
+                varies=("layer_types", "linear_attn", "partial_rotary_factor"),
+                read=read, write=write, refuse=refuse, biased=("attention_bias",),
+                not_null=("head_dim", "num_key_value_heads"))

@@ -1,0 +1,165 @@
+"""Qwen3-Next as a whole model against HF transformers' Qwen3NextForCausalLM, on the tiny random
+checkpoint of `tiny_checkpoint.ROWS["qwen3_next"]` (three Gated DeltaNet layers, then a full one):
+a prefill of 70 tokens, past DeltaNet's chunk of 64, then greedy decode steps that read each
+linear layer's state and the full layer's KV cache, within 1e-4; the chunked prefill and the
+token-by-token steps agree; each switch, turned off, moves the logits; the state keeps its shape
+while the KV cache grows; the config is written back as HF's class reads it."""
+
+import pytest
+import torch
+import transformers
+
+from llmtrace import Config, LlmTraceError, generate, load_model, trace_shapes
+from llmtrace.cost import parameter_count
+from llmtrace.deltanet import DeltaNetState
+from llmtrace.kv_cache import KVCache
+from llmtrace.model import Model
+from tiny_checkpoint import ROWS, make_tiny_checkpoint
+
+TOL = 1e-4
+T, STEPS = 70, 4  # past the chunk of 64: a full chunk and a short one
+FULL = 3  # the tiny model's full-attention layer
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = make_tiny_checkpoint(tmp_path_factory.mktemp("q3n") / "tiny-qwen3-next",
+                             family="qwen3_next")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        d, attn_implementation="eager", dtype=torch.float32).eval()
+    ids = torch.randint(3, 32000, (1, T), generator=torch.Generator().manual_seed(5))
+    return load_model(d), hf, ids
+
+
+def hf_logits(hf, ids) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.as_tensor(ids).reshape(1, -1)).logits[0]  # [T, V]
+
+
+def test_the_layers_are_three_linear_to_one_full(pair):
+    model, hf, _ = pair
+    c = model.config
+    assert c.layer_types == ("linear", "linear", "linear", "full") and c.family == "qwen3_next"
+    assert [t.split("_")[0] for t in hf.config.layer_types] == list(c.layer_types)
+    assert (c.attn_output_gate, c.qk_norm, c.norm_offset) == (True, True, True)
+    assert c.rotary_dim == 4 and c.linear_attn == (2, 4, 16, 16, 4)
+    cache = model.new_cache(8)
+    assert [type(x) for x in cache] == [DeltaNetState] * 3 + [KVCache]
+
+
+def test_prefill_past_the_chunk_then_decode_match_hf(pair):
+    model, hf, ids = pair
+    ours, _ = model.run(ids, keep_values=False)  # [1, T, V]
+    ref = hf_logits(hf, ids)
+    assert (ours[0] - ref).abs().max().item() < TOL
+    g = generate(model, ids, STEPS, stop_at_eos=False, trace=False)
+    ref = hf_logits(hf, g.ids)[T - 1:-1]  # [STEPS, V]
+    assert (torch.stack(g.step_logits) - ref).abs().max().item() < TOL
+    assert g.new_ids == ref.argmax(-1).tolist()
+
+
+def test_chunked_prefill_equals_token_by_token_steps(pair):
+    """The same tokens through the chunked rule (one pass) and the recurrent step (one token
+    per pass, reading the state): the same logits."""
+    model, _, ids = pair
+    n = 20
+    with torch.inference_mode():
+        whole = model.forward(ids[:, :n], cache=model.new_cache(n))[0]  # [n, V]
+        cache = model.new_cache(n)
+        steps = torch.cat([model.forward(ids[:, t:t + 1], cache=cache, start=t)[0]
+                           for t in range(n)])  # [n, V]
+    assert (whole - steps).abs().max().item() < TOL
+
+
+def logits_with(model, ids, config=None, patch=None):
+    m = model if config is None else Model(config, model.weights)
+    return m.run(ids, keep_values=False, patch=patch)[0][0]  # [T, V]
+
+
+@pytest.mark.parametrize("control", ["output gate", "partial RoPE", "(1 + w) norms", "QK-norm",
+                                     "the state carried"])
+def test_each_switch_matters(pair, control):
+    model, hf, ids = pair
+    ref, c = hf_logits(hf, ids), model.config
+    if control == "output gate":  # sigmoid(50) = 1: every head's output passes whole
+        got = logits_with(model, ids, patch={f"layers.{FULL}.attn.gate":
+                                             lambda t: torch.full_like(t, 50.0)})
+    elif control == "partial RoPE":
+        got = logits_with(model, ids, c.replace(partial_rotary_factor=1.0))
+    elif control == "(1 + w) norms":
+        got = logits_with(model, ids, c.replace(norm_offset=False))
+    elif control == "QK-norm":
+        got = logits_with(model, ids, c.replace(qk_norm=False))
+    else:  # each linear layer's state emptied after the prompt: the next token forgets it
+        cache = model.new_cache(T + 1)
+        with torch.inference_mode():
+            model.forward(ids, cache=cache)
+            for state in cache[:FULL]:
+                state.recurrent.zero_()
+            got = model.forward(ids[:, -1:], cache=cache, start=T)[0]
+        ref = hf_logits(hf, torch.cat([ids, ids[:, -1:]], 1))[-1:]
+    moved = (got - ref).abs().max().item()
+    assert moved > 100 * TOL, f"{control}: moved {moved:.1e}"
+
+
+def test_the_state_keeps_its_shape_while_the_kv_cache_grows():
+    """The records of a prefill and each decode step: a linear layer's state and conv state
+    have one shape throughout, the full layer's K cache one more position each step."""
+    c = Config.from_hf(ROWS["qwen3_next"].config | {"model_type": "qwen3_next"}, name="q3n")
+    traces = trace_shapes(c, T, decode_steps=3)
+    d = c.deltanet_dims
+    for tr in traces:
+        assert tr.shape("layers.0.attn.state") == (1, d.n_v_heads, d.k_head_dim, d.v_head_dim)
+        assert tr.shape("layers.0.attn.conv_state") == (1, d.conv_dim, d.conv_kernel - 1)
+    grown = [tr.shape(f"layers.{FULL}.attn.kv_cache.k")[1] for tr in traces]
+    assert grown == [T, T + 1, T + 2, T + 3]
+    assert "layers.0.attn.kv_cache.k" not in traces[0]
+
+
+def test_the_config_goes_back_to_hfs_class():
+    """to_hf writes what Qwen3NextConfig reads back to the same Config, and HF's class built
+    from it on the meta device holds as many parameters as llmtrace counts."""
+    c = Config.from_hf(ROWS["qwen3_next"].config | {"model_type": "qwen3_next"}, name="q3n")
+    hf_cfg = transformers.Qwen3NextConfig(**{k: v for k, v in c.to_hf().items()
+                                            if k != "architectures"})
+    assert Config.from_hf(hf_cfg.to_dict(), name="q3n") == c
+    with torch.device("meta"):
+        hf = transformers.Qwen3NextForCausalLM(hf_cfg)
+    assert sum(p.numel() for p in hf.parameters()) == parameter_count(c)
+
+
+def test_the_layer_pattern_is_hfs_when_layer_types_is_left_out():
+    base = {**ROWS["qwen3_next"].config, "model_type": "qwen3_next", "num_hidden_layers": 8}
+    assert Config.from_hf(base).layer_types == ("linear",) * 3 + ("full",) + ("linear",) * 3 \
+        + ("full",)
+    assert Config.from_hf({**base, "full_attention_interval": 2}).layer_types == \
+        ("linear", "full") * 4
+    assert Config.from_hf({**base, "rope_parameters": {"rope_type": "default"}}) \
+        .partial_rotary_factor == 0.25  # Qwen3NextConfig's default
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+     "rope_scaling of type 'yarn'"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"partial_rotary_factor": 0.5},  # beside rope_parameters' 0.25
+     r"rope_parameters.partial_rotary_factor=0.25 and partial_rotary_factor=0.5 disagree"),
+    ({"layer_types": ["linear_attention", "sliding_attention"] * 2},
+     "layer_types must list 'linear_attention' or 'full_attention'"),
+    ({"linear_num_value_heads": 3}, r"linear_attn=\(2, 3, 16, 16, 4\): value heads must be a "
+                                    "multiple"),
+    ({"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim=0 must be at least 1"),
+    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.1}},
+     "partial_rotary_factor=0.1 turns 1 of 16 dims"),
+])
+def test_what_is_not_computed_is_refused_by_its_key(change, message):
+    base = {**ROWS["qwen3_next"].config, "model_type": "qwen3_next"}
+    with pytest.raises(LlmTraceError, match=message):
+        Config.from_hf({**base, **change})
+
+
+def test_the_switches_are_refused_on_other_families():
+    with pytest.raises(LlmTraceError, match="attn_output_gate=True set with family 'llama'"):
+        Config.from_name("tinyllama").replace(attn_output_gate=True).to_hf()
+    with pytest.raises(LlmTraceError, match="layer_types has linear layers but no linear_attn"):
+        Config.from_name("tinyllama").replace(layer_types=("linear",) * 22)
