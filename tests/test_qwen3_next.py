@@ -21,10 +21,13 @@ T, STEPS = 70, 4  # past the chunk of 64: a full chunk and a short one
 FULL = 3  # the tiny model's full-attention layer
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    d = make_tiny_checkpoint(tmp_path_factory.mktemp("q3n") / "tiny-qwen3-next",
-                             family="qwen3_next")
+FAMILIES = ["qwen3_next", "qwen3_5_text"]  # Qwen3.5's text model: the same layers
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request, tmp_path_factory):
+    f = request.param
+    d = make_tiny_checkpoint(tmp_path_factory.mktemp(f) / f"tiny-{f}", family=f)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         d, attn_implementation="eager", dtype=torch.float32).eval()
     ids = torch.randint(3, 32000, (1, T), generator=torch.Generator().manual_seed(5))
@@ -39,7 +42,8 @@ def hf_logits(hf, ids) -> torch.Tensor:
 def test_the_layers_are_three_linear_to_one_full(pair):
     model, hf, _ = pair
     c = model.config
-    assert c.layer_types == ("linear", "linear", "linear", "full") and c.family == "qwen3_next"
+    assert c.layer_types == ("linear", "linear", "linear", "full")
+    assert type(hf).__name__ == ROWS[c.family].model_class
     assert [t.split("_")[0] for t in hf.config.layer_types] == list(c.layer_types)
     assert (c.attn_output_gate, c.qk_norm, c.norm_offset) == (True, True, True)
     assert c.rotary_dim == 4 and c.linear_attn == (2, 4, 16, 16, 4)
@@ -116,15 +120,18 @@ def test_the_state_keeps_its_shape_while_the_kv_cache_grows():
     assert "layers.0.attn.kv_cache.k" not in traces[0]
 
 
-def test_the_config_goes_back_to_hfs_class():
-    """to_hf writes what Qwen3NextConfig reads back to the same Config, and HF's class built
-    from it on the meta device holds as many parameters as llmtrace counts."""
-    c = Config.from_hf(ROWS["qwen3_next"].config | {"model_type": "qwen3_next"}, name="q3n")
-    hf_cfg = transformers.Qwen3NextConfig(**{k: v for k, v in c.to_hf().items()
-                                            if k != "architectures"})
+@pytest.mark.parametrize("f", FAMILIES)
+def test_the_config_goes_back_to_hfs_class(f):
+    """to_hf writes what HF's config class reads back to the same Config, and HF's model class
+    built from it on the meta device holds as many parameters as llmtrace counts."""
+    row = ROWS[f]
+    c = Config.from_hf(row.config | {"model_type": f}, name="q3n")
+    hf_cfg = getattr(transformers, row.config_class)(**{k: v for k, v in c.to_hf().items()
+                                                       if k != "architectures"})
     assert Config.from_hf(hf_cfg.to_dict(), name="q3n") == c
+    assert c.to_hf()["architectures"] == [row.model_class]
     with torch.device("meta"):
-        hf = transformers.Qwen3NextForCausalLM(hf_cfg)
+        hf = getattr(transformers, row.model_class)(hf_cfg)
     assert sum(p.numel() for p in hf.parameters()) == parameter_count(c)
 
 
@@ -156,6 +163,17 @@ def test_what_is_not_computed_is_refused_by_its_key(change, message):
     base = {**ROWS["qwen3_next"].config, "model_type": "qwen3_next"}
     with pytest.raises(LlmTraceError, match=message):
         Config.from_hf({**base, **change})
+
+
+def test_qwen35_with_vision_or_experts_is_refused():
+    text = {**ROWS["qwen3_5_text"].config, "model_type": "qwen3_5_text"}
+    with pytest.raises(LlmTraceError, match="model_type 'qwen3_5' .Qwen3.5 with its vision"):
+        Config.from_hf({**text, "model_type": "qwen3_5"})
+    with pytest.raises(LlmTraceError, match="num_experts=4"):
+        Config.from_hf({**text, "num_experts": 4})
+    mrope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25,
+             "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+    assert Config.from_hf({**text, "rope_parameters": mrope}).rotary_dim == 4
 
 
 def test_the_switches_are_refused_on_other_families():

@@ -102,6 +102,12 @@ ROWS = {
             "weighted_sum", "merged")}),
         norms=(-0.5, 0.5)),  # (1 + w) norms start at 0 in HF; the gated norm's gain too
 }
+# Qwen3.5's text model: the same layers, DeltaNet's projections stored apart, a dense MLP
+ROWS["qwen3_5_text"] = Row(
+    "Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+    {k: v for k, v in ROWS["qwen3_next"].config.items() if k != "num_experts"},
+    off=ROWS["qwen3_next"].off, records=ROWS["qwen3_next"].records,
+    lacks=ROWS["qwen3_next"].lacks, norms=ROWS["qwen3_next"].norms)
 
 
 def hf_config(family: str, **overrides):

@@ -44,7 +44,8 @@ class Family:
     not_null: tuple = ()  # NULLABLE keys HF's class types as int: a null is refused
 
 
-from . import gemma3, llama, mistral, olmo2, qwen2, qwen3, qwen3_next  # noqa: E402
+from . import (gemma3, llama, mistral, olmo2, qwen2, qwen3, qwen3_5_text,  # noqa: E402
+               qwen3_next)
 
 # model_type -> its entry: one line per family
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (
@@ -55,6 +56,7 @@ REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     gemma3.FAMILY,
     olmo2.FAMILY,
     qwen3_next.FAMILY,
+    qwen3_5_text.FAMILY,
 )}
 # the fields of Config that only some families set; a family sets each to its default, to the
 # value in its `switches`, or (in `varies`) to what its config.json says
@@ -68,7 +70,8 @@ MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe
        "granitemoe", "phimoe", "jamba", "llama4", "gpt_oss")
 MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 SOFTCAP = ("gemma2",)
-NOT_TEXT = {"gemma3": gemma3.WITH_VISION}  # a family's text model is computed, not this one
+# a family's text model is computed, not this one
+NOT_TEXT = {"gemma3": gemma3.WITH_VISION, "qwen3_5": qwen3_5_text.WITH_VISION}
 
 
 def family_of(model_type: str, where: str) -> Family:
@@ -154,7 +157,8 @@ def refuse_unsupported(c: dict, where: str) -> None:
         raise LlmTraceError(f"{where}: rope_scaling of type {kind!r} (RoPE stretched for long "
                             f"contexts) is not implemented, only Llama 3's 'llama3': {COMPUTED}")
     rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
-    partial = family in REGISTRY and "partial_rotary_factor" in REGISTRY[family].varies
+    partial = family in NOT_TEXT or family in REGISTRY and \
+        "partial_rotary_factor" in REGISTRY[family].varies  # (a text model: said by family_of)
     for label, params in () if partial else (("partial_rotary_factor", c),
                                              ("rope_parameters.partial_rotary_factor", rope)):
         if params.get("partial_rotary_factor", 1.0) not in (1, 1.0):

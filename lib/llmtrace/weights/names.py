@@ -90,12 +90,15 @@ def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
 def linear_shapes(c: Config) -> dict[str, tuple[int, ...]]:
     """A Gated DeltaNet layer's tensors (`deltanet.DeltaNetWeights`) by their HF names."""
     d, D = c.deltanet_dims, c.hidden_size
+    fused = {"in_proj_qkvz.weight": (2 * d.key_dim + 2 * d.value_dim, D),
+             "in_proj_ba.weight": (2 * d.n_v_heads, D)}  # Qwen3-Next, grouped per key head
+    apart = {"in_proj_qkv.weight": (d.conv_dim, D), "in_proj_z.weight": (d.value_dim, D),
+             "in_proj_b.weight": (d.n_v_heads, D), "in_proj_a.weight": (d.n_v_heads, D)}
+    projections = {"qwen3_5_text": apart}.get(c.family, fused)  # Qwen3.5 stores them apart
     return {f"{LINEAR_PREFIX}{name}": shape for name, shape in {
         "A_log": (d.n_v_heads,), "dt_bias": (d.n_v_heads,),
-        "conv1d.weight": (d.conv_dim, 1, d.conv_kernel),
-        "in_proj_qkvz.weight": (2 * d.key_dim + 2 * d.value_dim, D),
-        "in_proj_ba.weight": (2 * d.n_v_heads, D), "norm.weight": (d.v_head_dim,),
-        "out_proj.weight": (D, d.value_dim)}.items()}
+        "conv1d.weight": (d.conv_dim, 1, d.conv_kernel), **projections,
+        "norm.weight": (d.v_head_dim,), "out_proj.weight": (D, d.value_dim)}.items()}
 
 
 def layer_fields(c: Config, layer: int, shapes: dict) -> list[str]:
