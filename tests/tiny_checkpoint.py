@@ -46,6 +46,12 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                "original_max_position_embeddings": 64}
 SHARP = {**TINY, "initializer_range": 0.1}
 QK_NORM = frozenset({"attn.q_norm.mean_sq", "attn.q_norm", "attn.k_norm.mean_sq", "attn.k_norm"})
+# a mixture of experts' records in place of the dense MLP's (moe.py)
+MOE = frozenset({"mlp.router", "mlp.router_probs", "mlp.experts_chosen", "mlp.expert_weights",
+                 "mlp.expert_out", "mlp.out"})
+DENSE_MLP = frozenset({"mlp.gate", "mlp.up", "mlp.act", "mlp.gated", "mlp.down"})
+QWEN3_MOE = {**SHARP, "head_dim": 24, "num_experts": 4, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 48}
 ROWS = {
     "llama": Row("LlamaConfig", "LlamaForCausalLM", TINY),
     "llama3": Row("LlamaConfig", "LlamaForCausalLM", {**SHARP, "rope_parameters": LLAMA3_ROPE},
@@ -101,6 +107,26 @@ ROWS = {
             "k_expanded", "v_expanded", "scores", "causal_mask", "masked_scores", "weights",
             "weighted_sum", "merged")}),
         norms=(-0.5, 0.5)),  # (1 + w) norms start at 0 in HF; the gated norm's gain too
+    # a mixture of experts: 4 experts, 2 chosen per position, in every layer; a window of 4
+    "mixtral": Row("MixtralConfig", "MixtralForCausalLM",
+                   {**SHARP, "sliding_window": 4, "num_local_experts": 4,
+                    "num_experts_per_tok": 2},
+                   off=({"moe_renormalize": False}, {"sliding_window": 0}),
+                   records=MOE | {"attn.window_mask"}, lacks=DENSE_MLP),
+    # Qwen3-MoE as published: norm_topk_prob true, experts in every layer
+    "qwen3_moe": Row("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**QWEN3_MOE,
+                                                               "norm_topk_prob": True},
+                     off=({"moe_renormalize": False}, {"qk_norm": False}),
+                     records=QK_NORM | MOE, lacks=DENSE_MLP),
+    # and the class's defaults otherwise: norm_topk_prob false; layer 0 dense (every 2nd layer
+    # MoE, decoder_sparse_step 2); with use_sliding_window, a window on every layer
+    "qwen3_moe_sparse": Row(
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        {**QWEN3_MOE, "norm_topk_prob": False, "decoder_sparse_step": 2,
+         "use_sliding_window": True, "sliding_window": 4},
+        off=({"moe_renormalize": True}, {"moe_router": "topk_softmax"}, {"qk_norm": False},
+             {"sliding_window": 0}),
+        records=QK_NORM | {"attn.window_mask"}),  # layer 0 is dense
 }
 # Qwen3.5's text model: the same layers, DeltaNet's projections stored apart, a dense MLP
 ROWS["qwen3_5_text"] = Row(

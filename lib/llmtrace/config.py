@@ -17,7 +17,7 @@ from .errors import LlmTraceError
 # the integer fields and their least value (head_dim 0 means hidden_size // n_heads)
 INT_FIELDS = {"vocab_size": 1, "hidden_size": 1, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1,
               "ffn_size": 1, "max_positions": 1, "head_dim": 0, "bos_id": 0, "eos_id": 0,
-              "sliding_window": 0}
+              "sliding_window": 0, "n_experts": 0, "n_experts_active": 0, "moe_ffn_size": 0}
 OPTIONAL_IDS = ("bos_id", "eos_id")  # None: the model has none
 
 
@@ -83,11 +83,46 @@ def config_problems(v: dict, key=str) -> list[str]:
         problems.append(f"{key('partial_rotary_factor')}={factor!r} must be a number in (0, 1]")
     if v["attn_output_gate"] is not True and v["attn_output_gate"] is not False:
         problems.append(f"attn_output_gate={v['attn_output_gate']!r} must be True or False")
+    problems += moe_problems(v, key)
     scaling = dict(v["rope_scaling"])
     if scaling and (scaling.get("rope_type") != "llama3" or set(LLAMA3_KEYS) - set(scaling)):
         problems.append(f"{key('rope_scaling')}={scaling} is not Llama 3's (rope_type 'llama3' "
                         f"and {', '.join(LLAMA3_KEYS)})")
     return problems or shape_problems(v, key)  # the rest divides by a head count
+
+
+def moe_problems(v: dict, key=str) -> list[str]:
+    """What makes the mixture-of-experts fields no model: k of E experts, each expert's own
+    width, a router moe.py computes, each layer's kind of MLP."""
+    problems = []
+    E, k, Fm = v["n_experts"], v["n_experts_active"], v["moe_ffn_size"]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (E, k, Fm)):
+        return problems  # INT_FIELDS says which
+    if E == 0 and (k or Fm):
+        problems.append(f"{key('n_experts_active')}={k} and {key('moe_ffn_size')}={Fm} with "
+                        f"{key('n_experts')}=0: a dense model has no experts; give both 0")
+    if E and not 1 <= k <= E:
+        problems.append(f"{key('n_experts_active')}={k} must lie in 1 .. "
+                        f"{key('n_experts')}={E}: each position goes to k of the E experts")
+    if E and Fm < 1:
+        problems.append(f"{key('moe_ffn_size')}={Fm} must be at least 1: an expert's width")
+    from .moe import ROUTERS
+
+    if v["moe_router"] not in ROUTERS:
+        problems.append(f"moe_router={v['moe_router']!r} must be one of {', '.join(ROUTERS)}")
+    if v["moe_renormalize"] is not True and v["moe_renormalize"] is not False:
+        problems.append(f"{key('moe_renormalize')}={v['moe_renormalize']!r} must be True or "
+                        f"False")
+    kinds = v["mlp_types"]
+    if not isinstance(kinds, tuple) or any(t not in MLP_TYPES for t in kinds):
+        problems.append(f"{key('mlp_types')}={kinds!r} must be a tuple of "
+                        f"{' or '.join(map(repr, MLP_TYPES))}")
+    elif kinds and len(kinds) != v["n_layers"]:
+        problems.append(f"{key('mlp_types')} names {len(kinds)} layers, "
+                        f"{key('n_layers')}={v['n_layers']}")
+    elif "moe" in kinds and not E:
+        problems.append(f"{key('mlp_types')} has MoE layers but {key('n_experts')}=0")
+    return problems
 
 
 def shape_problems(v: dict, key=str) -> list[str]:
@@ -161,6 +196,14 @@ class Config:
     attn_output_gate: bool = False  # W_q gives each head a gate: out * sigmoid(gate)
     partial_rotary_factor: float = 1.0  # RoPE turns this share of each head's dims
     linear_attn: tuple = ()  # DeltaNet layers' (key heads, value heads, dk, dv, conv kernel)
+    # A mixture of experts (Mixtral, Qwen3-MoE): the MLP is E expert MLPs, a router sends each
+    # position to k of them (moe.py); 0 experts is a dense model
+    n_experts: int = 0  # E
+    n_experts_active: int = 0  # k, chosen per position (HF's num_experts_per_tok)
+    moe_ffn_size: int = 0  # each expert's intermediate size (ffn_size stays the dense MLP's)
+    moe_router: str = "softmax_topk"  # moe.ROUTERS: how the router's logits choose and weigh
+    moe_renormalize: bool = True  # the k chosen weights rescaled to sum 1 (norm_topk_prob)
+    mlp_types: tuple = ()  # per layer "dense" or "moe"; () = every layer MoE if n_experts
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # as HF writes it: keep it hashable, in order
@@ -210,6 +253,12 @@ class Config:
         from .deltanet import DeltaNetDims
 
         return DeltaNetDims(*self.linear_attn, self.norm_eps) if self.linear_attn else None
+    def is_moe(self, layer: int) -> bool:
+        """Is this layer's MLP a mixture of experts? Qwen3-MoE may leave some layers dense
+        (`mlp_types`); without it, every layer is MoE when the model has experts."""
+        if self.mlp_types:
+            return self.mlp_types[layer] == "moe"
+        return self.n_experts > 0
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
@@ -256,6 +305,7 @@ FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 LLAMA3_KEYS = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
 MLP_ACTS = ("silu", "gelu_tanh")
 LAYER_KINDS = ("full", "sliding", "linear")
+MLP_TYPES = ("dense", "moe")
 
 
 # Presets by name, as keyword configs (as gpt-fast writes them); `Config.from_name` reads them.
@@ -312,6 +362,20 @@ PRESETS: dict[str, dict] = {
                       n_kv_heads=16, ffn_size=8192, max_positions=4096, rope_theta=500_000.0,
                       norm_eps=1e-6, bos_id=None, eos_id=100257, family="olmo2",
                       pre_norm=False, sandwich_norm=True, qk_proj_norm=True),
+    # mistralai/Mixtral-8x7B-v0.1 config.json (its sliding_window is null: no window): 8
+    # experts in every layer, 2 chosen per position, each as wide as Mistral-7B's MLP
+    "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32,
+                         n_kv_heads=8, ffn_size=14336, max_positions=32768,
+                         rope_theta=1_000_000.0, family="mixtral", n_experts=8,
+                         n_experts_active=2, moe_ffn_size=14336),
+    # Qwen/Qwen3-30B-A3B config.json: 128 experts of width 768 in every layer
+    # (decoder_sparse_step 1, mlp_only_layers []), 8 chosen, norm_topk_prob true; head_dim 128
+    # though hidden / heads is 64; use_sliding_window false
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, n_layers=48, n_heads=32,
+                          n_kv_heads=4, ffn_size=6144, max_positions=40960,
+                          rope_theta=1_000_000.0, norm_eps=1e-6, bos_id=151643, eos_id=151645,
+                          head_dim=128, family="qwen3_moe", qk_norm=True, n_experts=128,
+                          n_experts_active=8, moe_ffn_size=768, moe_renormalize=True),
 }
 ALIASES = {"tinyllama": "tinyllama-1.1b", "smollm2": "smollm2-135m", "embedded": "smollm2-135m",
            "7b": "llama-2-7b", "70b": "llama-2-70b", "mistral-7b": "mistral-7b-v0.1"}

@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .config import Config
-from .weights.names import LAYER_TENSORS, LINEAR_PREFIX, layers_with, tensor_shapes
+from .weights.names import MODEL_TENSORS, layers_holding, tensor_shapes
 
 
 @dataclass
@@ -21,27 +21,45 @@ class ParamRow:
     component: str
     shape: tuple[int, ...]
     each: int  # parameters in one copy
-    copies: int  # 1, or the number of layers
+    copies: int  # 1, or the number of layers that hold it
     per_layer: bool
+    active: int = -1  # parameters of one copy a position reads (-1: all; experts: k of E)
 
     @property
     def total(self) -> int:
         return self.each * self.copies
+
+    @property
+    def active_total(self) -> int:
+        """What a position reads of the row: a mixture of experts' k experts of E."""
+        return (self.each if self.active < 0 else self.active) * self.copies
 
 
 def parameter_table(c: Config) -> list[ParamRow]:
     """One row per component, in model order; a tied LM head has no row of its own."""
     rows = []
     for field, shape in tensor_shapes(c).items():
-        per_layer = field in LAYER_TENSORS or field.startswith(LINEAR_PREFIX)
+        per_layer = field not in MODEL_TENSORS
         component = "embedding" if field == "embed" else field
-        copies = layers_with(c, field) if per_layer else 1  # Qwen3-Next: by kind of layer
-        rows.append(ParamRow(component, shape, math.prod(shape), copies, per_layer))
+        copies = layers_holding(c, field)  # 1 outside the layers
+        rows.append(ParamRow(component, shape, math.prod(shape), copies, per_layer,
+                             active_of(c, field, shape)))
     return rows
 
 
-def parameter_count(c: Config) -> int:
-    return sum(r.total for r in parameter_table(c))
+def active_of(c: Config, field: str, shape: tuple) -> int:
+    """Parameters of one copy of `field` a position reads: all (-1), but k of a mixture of
+    experts' E stacked experts."""
+    if field in ("moe.gate", "moe.up", "moe.down"):  # [E, ...]: expert e's at [e]
+        return math.prod(shape) // c.n_experts * c.n_experts_active
+    return -1
+
+
+def parameter_count(c: Config, active: bool = False) -> int:
+    """Parameters the model holds; active=True: those one position reads (with a mixture of
+    experts, k of the E experts of each layer; every table and layer else)."""
+    rows = parameter_table(c)
+    return sum(r.active_total if active else r.total for r in rows)
 
 
 def parameter_shares(c: Config) -> dict[str, float]:
@@ -49,7 +67,7 @@ def parameter_shares(c: Config) -> dict[str, float]:
     tables."""
     rows = parameter_table(c)
     total = sum(r.total for r in rows)
-    matrices = sum(r.total for r in rows if r.per_layer and len(r.shape) == 2)
+    matrices = sum(r.total for r in rows if r.per_layer and len(r.shape) >= 2)  # experts: 3D
     norms = sum(r.total for r in rows if len(r.shape) == 1)
     tables = sum(r.total for r in rows if r.component in ("embedding", "lm_head"))
     return {"per_layer_matrices": matrices / total, "norms": norms / total,

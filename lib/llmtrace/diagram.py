@@ -194,7 +194,10 @@ ATTN_STEPS = [
 ]
 MLP_STEPS = [
     ("mlp_norm", "RMSNorm", ["mlp_norm"]),
-    ("mlp", "SwiGLU MLP", ["mlp.gate", "mlp.up", "mlp.act", "mlp.gated", "mlp.down"]),
+    ("mlp", "SwiGLU MLP", ["mlp.gate", "mlp.up", "mlp.act", "mlp.gated", "mlp.down",
+                           # a mixture of experts (moe.py) in its place
+                           "mlp.router", "mlp.experts_chosen", "mlp.expert_weights",
+                           "mlp.expert_out", "mlp.out"]),
     ("resid_out", "+ x", ["resid_out"]),
 ]
 

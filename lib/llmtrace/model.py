@@ -22,9 +22,10 @@ from .errors import LlmTraceError
 from .kv_cache import KVCache
 from .memory import check_budget, keep_freed_memory_if_asked, needs_estimate
 from .mlp import swiglu
+from .moe import MoeWeights, hf_moe_weights, moe_mlp
 from .norm import rms_norm
 from .trace import NO_TRACE, Patched, Trace
-from .weights.names import LAYER_TENSORS, MODEL_TENSORS, expected_shapes, hf_name
+from .weights.names import LAYER_TENSORS, MODEL_TENSORS, expected_shapes, hf_name, moe_hf_names
 
 
 @dataclass(kw_only=True)
@@ -36,9 +37,9 @@ class LayerWeights:
     v_proj: torch.Tensor | None = None  # [KV*hd, D]
     o_proj: torch.Tensor | None = None  # [D, H*hd]
     mlp_norm: torch.Tensor | None = None  # [D]
-    gate: torch.Tensor  # [F, D]
-    up: torch.Tensor  # [F, D]
-    down: torch.Tensor  # [D, F]
+    gate: torch.Tensor | None = None  # [F, D]   (None in a mixture of experts' layer)
+    up: torch.Tensor | None = None  # [F, D]
+    down: torch.Tensor | None = None  # [D, F]
     q_bias: torch.Tensor | None = None  # [H*hd]   qkv_bias (Qwen2)
     k_bias: torch.Tensor | None = None  # [KV*hd]
     v_bias: torch.Tensor | None = None  # [KV*hd]
@@ -47,6 +48,7 @@ class LayerWeights:
     post_attn_norm: torch.Tensor | None = None  # [D]  (sandwich_norm: Gemma)
     post_mlp_norm: torch.Tensor | None = None  # [D]
     linear: DeltaNetWeights | None = None  # a Gated DeltaNet layer's (layer_types "linear")
+    moe: MoeWeights | None = None  # a mixture of experts in place of gate, up, down (Mixtral)
 
 
 @dataclass
@@ -75,6 +77,9 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
                                                       c.deltanet_dims, c.family)
                            if c.is_linear(i) else None)
               for i in range(c.n_layers)]
+    for i, lw in enumerate(layers):
+        if c.is_moe(i):  # the experts' matrices stacked, expert e's at [e]
+            lw.moe = hf_moe_weights(sd.__getitem__, f"model.layers.{i}", c.family, c.n_experts)
     embed = sd[hf_name("embed")]
     head = embed if c.tied_lm_head else sd[hf_name("lm_head")]
     return Weights(embed, layers, sd[hf_name("final_norm")], head)
@@ -89,6 +94,10 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
     for i, lw in enumerate(w.layers):
         sd.update({hf_name(f, i, c): getattr(lw, f) for f in LAYER_TENSORS
                    if getattr(lw, f) is not None})
+        if lw.moe is not None:  # each expert's matrix under its own name
+            for field, names in moe_hf_names(c, i).items():
+                t = getattr(lw.moe, field.removeprefix("moe."))
+                sd.update({names: t} if isinstance(names, str) else dict(zip(names, t)))
     return sd
 
 
@@ -112,7 +121,12 @@ def attn_sublayer(h, w: LayerWeights, config, pos: Positions, cache=None, trace=
 def mlp_sublayer(h, w: LayerWeights, config, trace=NO_TRACE, name="layers.0") -> torch.Tensor:
     """What the MLP adds to the stream: the FFN of the normalized stream h [B, T, D];
     sandwich_norm (Gemma): normalized once more before the add."""
-    h = swiglu(h, w, trace, f"{name}.mlp", config.mlp_act)  # [B, T, D]
+    if w.moe is not None:  # a mixture of experts: k of E expert MLPs (moe.py)
+        h = moe_mlp(h, w.moe, config.n_experts_active, config.moe_router,
+                    config.moe_renormalize, config.mlp_act, trace=trace,
+                    name=f"{name}.mlp")  # [B, T, D]
+    else:
+        h = swiglu(h, w, trace, f"{name}.mlp", config.mlp_act)  # [B, T, D]
     if config.sandwich_norm:
         h = rms_norm(h, w.post_mlp_norm, config.norm_eps, trace,
                      f"{name}.mlp_post_norm", config.norm_offset)  # [B, T, D]
@@ -273,6 +287,19 @@ def trace_shapes(config: Config | str, prompt: int | torch.Tensor = 6, decode_st
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "bool": 1}
 
 
+def one_layer_of_each_kind(config: Config, **changes) -> tuple[Model, list[list[int]]]:
+    """A meta model of one layer of each kind (its attention's `layer_types` and its MLP's
+    `mlp_types`), and the layers of `config` each of its layers stands for."""
+    kind = [(config.layer_types[i] if config.layer_types else None,
+             config.mlp_types[i] if config.mlp_types else None) for i in range(config.n_layers)]
+    kinds = list(dict.fromkeys(kind))
+    one = meta_model(config.replace(
+        n_layers=len(kinds), **changes,
+        layer_types=tuple(a for a, _ in kinds) if config.layer_types else (),
+        mlp_types=tuple(m for _, m in kinds) if config.mlp_types else ()))
+    return one, [[i for i in range(config.n_layers) if kind[i] == k] for k in kinds]
+
+
 def estimate_trace_bytes(config: Config, T: int, S: int | None = None) -> int:
     """Bytes of a trace that keeps every value, for T new positions attending to S (default T):
     the records of a shapes-only pass on the meta device of one layer of each kind (each layer
@@ -280,10 +307,8 @@ def estimate_trace_bytes(config: Config, T: int, S: int | None = None) -> int:
     stands for, and the records outside the layers once. Whatever a switch adds to the trace is
     counted because the pass records it. A test holds it equal to a real trace's bytes."""
     S = T if S is None else S
-    kinds = tuple(dict.fromkeys(config.layer_types))  # () when every layer is alike
-    one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds,
-                                    max_positions=max(config.max_positions, S)))  # a bound
-    copies = [config.layer_types.count(kind) for kind in kinds] or [config.n_layers]
+    one, like = one_layer_of_each_kind(config, max_positions=max(config.max_positions, S))
+    copies = [len(layers) for layers in like]
     trace = Trace(keep_values=False)
     one.forward(torch.zeros(1, T, dtype=torch.long), trace, one.new_cache(S), start=S - T)
     total = 0
@@ -303,11 +328,7 @@ def trace_bytes(config: Config, trace: Trace, T: int, decode_steps: int = 0) -> 
     if trace.keeps_all:  # every value: the closed form, no pass needed
         return estimate_trace_bytes(config, T) + decode_steps * estimate_trace_bytes(
             config, 1, T + decode_steps)
-    kinds = tuple(dict.fromkeys(config.layer_types))  # () when every layer is alike
-    one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds))
-    # the layers each layer of `one` stands for
-    like = [[i for i in range(config.n_layers) if not kinds or config.layer_types[i] == kind]
-            for kind in kinds or [None]]
+    one, like = one_layer_of_each_kind(config)  # like: the layers each layer of one stands for
 
     def kept(ids, cache=None, start=0) -> int:
         t = Trace(keep_values=False)

@@ -11,6 +11,13 @@ it (`if config.<switch>:`, which the book's listings leave out for Llama), its w
 `weights/names.py`, and name it in `SWITCHES` here (the book's listings read it). Then one row in
 `tests/tiny_checkpoint.py`'s `ROWS` (HF's classes, a tiny config.json, the switches to turn
 off, the records only it has): the parity, map and shape tests read it.
+
+A mixture of experts is fields, not a second wiring: `read` sets n_experts, n_experts_active,
+moe_ffn_size, moe_router (one of moe.ROUTERS), moe_renormalize and, when some layers stay dense,
+mlp_types (per layer "dense" or "moe"); `Config.is_moe(i)` says which layers load a
+`LayerWeights.moe` (moe.MoeWeights), and the block runs `moe.moe_mlp` where it is set. The
+experts' names on disk: moe.HF_EXPERT_NAMES (read by moe.hf_moe_weights and, for the shapes,
+weights/names.py's `moe_hf_names`).
 """
 
 from __future__ import annotations
@@ -42,10 +49,13 @@ class Family:
     # llmtrace does not compute
     biased: tuple = ()  # keys that, true, add a bias llmtrace does not compute
     not_null: tuple = ()  # NULLABLE keys HF's class types as int: a null is refused
+    keys: dict = field(default_factory=dict)  # field -> the config.json key it is read from,
+    # where the family's differs from _read.HF_KEYS' (errors name what the user wrote)
 
 
-from . import (gemma3, llama, mistral, olmo2, qwen2, qwen3, qwen3_5_text,  # noqa: E402
-               qwen3_next)
+from . import gemma3, llama, mistral, olmo2, qwen2, qwen3  # noqa: E402  (they import Family)
+from . import mixtral, qwen3_moe  # noqa: E402  (mixtures of experts)
+from . import qwen3_5_text, qwen3_next  # noqa: E402  (Gated DeltaNet layers)
 
 # model_type -> its entry: one line per family
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (
@@ -57,17 +67,23 @@ REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     olmo2.FAMILY,
     qwen3_next.FAMILY,
     qwen3_5_text.FAMILY,
+    mixtral.FAMILY,
+    qwen3_moe.FAMILY,
 )}
 # the fields of Config that only some families set; a family sets each to its default, to the
 # value in its `switches`, or (in `varies`) to what its config.json says
 SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "norm_offset",
             "sandwich_norm", "pre_norm", "mlp_act", "embed_scale", "attn_scale", "layer_types",
-            "rope_local_theta", "attn_output_gate", "partial_rotary_factor", "linear_attn")
-COMPUTED = ("llmtrace computes dense Llama-family models "
+            "rope_local_theta", "attn_output_gate", "partial_rotary_factor", "linear_attn",
+            "n_experts", "n_experts_active", "moe_ffn_size", "moe_router",
+            "moe_renormalize", "mlp_types")
+COMPUTED = ("llmtrace computes Llama-family models "
             f"({', '.join(f.label for f in REGISTRY.values())})")
-# model_types refused by name, for what they compute instead of a dense Llama block
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "dbrx",
-       "granitemoe", "phimoe", "jamba", "llama4", "gpt_oss")
+# model_types refused by name, for what they compute instead of a Llama block
+MOE = ("qwen2_moe", "deepseek_v2", "deepseek_v3", "olmoe", "dbrx", "granitemoe", "phimoe",
+       "jamba", "llama4", "gpt_oss")
+# the families whose experts are computed (moe.py): their config.json's experts are read
+WITH_EXPERTS = tuple(f.model_type for f in REGISTRY.values() if "n_experts" in f.varies)
 MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 SOFTCAP = ("gemma2",)
 # a family's text model is computed, not this one
@@ -137,10 +153,12 @@ def refuse_unsupported(c: dict, where: str) -> None:
     family = c.get("model_type", "llama")
     experts = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts")
                     if isinstance(c.get(k), int) and c[k] > 0), None)
-    if experts or family in MOE:
+    if (experts or family in MOE) and family not in WITH_EXPERTS:
         what = f"{experts}={c[experts]}" if experts else f"model_type {family!r}"
+        labels = " and ".join(REGISTRY[f].label for f in WITH_EXPERTS)
         raise LlmTraceError(f"{where}: a mixture of experts ({what}: each token goes through a "
-                            f"few of many MLPs) is not implemented: {COMPUTED}")
+                            f"few of many MLPs) is implemented only as {labels} compute it, "
+                            f"not for model_type {family!r}: {COMPUTED}")
     latent = next((k for k in ("kv_lora_rank", "q_lora_rank") if c.get(k)), None)
     if latent or family in MLA:
         what = f"{latent}={c[latent]}" if latent else f"model_type {family!r}"

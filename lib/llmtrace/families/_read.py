@@ -64,6 +64,7 @@ class HFKeys:
         self.c, self.where, self.family = c, where, family.model_type
         self.defaults, self.not_null = family.defaults, family.not_null
         self.config_class = family.config_class
+        self.keys = {**HF_KEYS, **family.keys}
         self.left_out: set[str] = set()
 
     def get(self, key: str, kind, default=REQUIRED, least: int | None = None):
@@ -96,7 +97,7 @@ class HFKeys:
 
     def key(self, field: str) -> str:
         """The config.json key a field was read from, as an error names it."""
-        return HF_KEYS.get(field, field)
+        return self.keys.get(field, field)
 
     def problems_said(self, problems: list[str]) -> str:
         """The problems as one line, saying which of the keys they name were left out."""

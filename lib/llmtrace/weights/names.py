@@ -6,6 +6,7 @@ costs all read it.
 from __future__ import annotations
 
 from ..config import Config
+from ..errors import LlmTraceError
 
 
 # The one table of the weights' names. A layer's tensors: `LayerWeights` field -> (its Hugging Face
@@ -39,6 +40,9 @@ SANDWICH_HF_NAMES = {"mlp_norm": "pre_feedforward_layernorm.weight"}
 ATTN_FIELDS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_bias", "k_bias", "v_bias", "q_norm",
                "k_norm")
 LINEAR_PREFIX = "linear_attn."
+# A mixture of experts' layer holds `LayerWeights.moe` (moe.MoeWeights) in place of gate, up and
+# down: its tensors' shapes are named "moe.<MoeWeights field>", its HF names `moe_hf_names`
+DENSE_MLP = ("gate", "up", "down")
 MODEL_TENSORS = {
     "embed": ("model.embed_tokens.weight", "token_embd.weight"),
     "final_norm": ("model.norm.weight", "output_norm.weight"),
@@ -55,6 +59,40 @@ def hf_name(field: str, layer: int | None = None, c: Config | None = None) -> st
     if c is not None and c.sandwich_norm:
         name = SANDWICH_HF_NAMES.get(field, name)
     return f"model.layers.{layer}.{name}"
+
+
+def moe_hf_names(c: Config, layer: int) -> dict[str, str | list[str]]:
+    """A MoE layer's Hugging Face names, as `save_pretrained` writes them (moe.hf_moe_weights
+    reads the same): "moe.router" -> its name; "moe.gate", "moe.up", "moe.down" -> one name
+    per expert (Mixtral: block_sparse_moe.experts.{e}.w1; Qwen3-MoE: mlp.experts.{e}.gate_proj)."""
+    from ..moe import HF_EXPERT_NAMES
+
+    if c.family not in HF_EXPERT_NAMES:
+        raise LlmTraceError(f"config {c.name!r}: family {c.family!r} has no mixture-of-experts "
+                            f"weight names: n_experts is computed for "
+                            f"{', '.join(HF_EXPERT_NAMES)}")
+    block, *kinds = HF_EXPERT_NAMES[c.family]
+    p = f"model.layers.{layer}.{block}"
+    names: dict = {"moe.router": f"{p}.gate.weight"}
+    for field, kind in zip(DENSE_MLP, kinds):
+        names[f"moe.{field}"] = [f"{p}.experts.{e}.{kind}.weight" for e in range(c.n_experts)]
+    return names
+
+
+def layers_holding(c: Config, field: str) -> int:
+    """How many copies of a field the model holds: 1 outside the layers; the dense MLP's in
+    its dense layers only, a MoE field's in its MoE layers."""
+    if field in MODEL_TENSORS:
+        return 1
+    moe = sum(c.is_moe(i) for i in range(c.n_layers))
+    if field.startswith("moe."):
+        return moe
+    linear = sum(c.is_linear(i) for i in range(c.n_layers))  # Qwen3-Next's DeltaNet layers
+    if field.startswith(LINEAR_PREFIX):
+        return linear
+    if field in ATTN_FIELDS:
+        return c.n_layers - linear
+    return c.n_layers - moe if field in DENSE_MLP else c.n_layers
 
 
 def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
@@ -78,7 +116,12 @@ def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
         shapes["post_attn_norm"] = (D,)
     if c.pre_norm:
         shapes["mlp_norm"] = (D,)
-    shapes.update({"gate": (F, D), "up": (F, D), "down": (D, F)})
+    if layers_holding(c, "gate"):  # some layer is dense
+        shapes.update({"gate": (F, D), "up": (F, D), "down": (D, F)})
+    if c.n_experts:  # stacked: expert e's matrix at [e]
+        E, Fm = c.n_experts, c.moe_ffn_size
+        shapes.update({"moe.router": (E, D), "moe.gate": (E, Fm, D), "moe.up": (E, Fm, D),
+                       "moe.down": (E, D, Fm)})
     if c.sandwich_norm:  # and after the MLP
         shapes["post_mlp_norm"] = (D,)
     shapes["final_norm"] = (D,)
@@ -104,15 +147,10 @@ def linear_shapes(c: Config) -> dict[str, tuple[int, ...]]:
 def layer_fields(c: Config, layer: int, shapes: dict) -> list[str]:
     """The fields of `shapes` (`tensor_shapes`) that this layer has: a DeltaNet layer has its
     linear_attn tensors in place of attention's, a full layer the reverse."""
-    linear = c.is_linear(layer)
-    return [f for f in shapes if (f in LAYER_TENSORS and not (linear and f in ATTN_FIELDS))
+    linear, moe = c.is_linear(layer), c.is_moe(layer)
+    return [f for f in shapes if (f in LAYER_TENSORS and not (linear and f in ATTN_FIELDS)
+                                  and not (moe and f in DENSE_MLP))
             or (linear and f.startswith(LINEAR_PREFIX))]
-
-
-def layers_with(c: Config, field: str) -> int:
-    """How many layers hold this field's tensor."""
-    shapes = tensor_shapes(c)
-    return sum(field in layer_fields(c, i, shapes) for i in range(c.n_layers))
 
 
 def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
@@ -122,4 +160,8 @@ def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
     for i in range(c.n_layers):
         out.update({(f"model.layers.{i}.{f}" if f.startswith(LINEAR_PREFIX)
                      else hf_name(f, i, c)): shapes[f] for f in layer_fields(c, i, shapes)})
+        if c.is_moe(i):  # each expert's matrix under its own name
+            for field, names in moe_hf_names(c, i).items():
+                for name in [names] if isinstance(names, str) else names:
+                    out[name] = shapes[field][1:] if field != "moe.router" else shapes[field]
     return out
