@@ -167,7 +167,10 @@ def make_config_json(f: str) -> dict:
 def test_meta_model_of_each_family_has_its_tensors():
     for f in NEW:
         c = Config.from_hf(make_config_json(f), name=f)
-        lw = meta_model(c).weights.layers[0]
+        layers = meta_model(c).weights.layers
+        full = next(i for i in range(c.n_layers) if not c.is_linear(i))  # Qwen3-Next: 3
+        lw = layers[full]
+        assert (layers[0].linear is not None) == c.is_linear(0) and lw.linear is None
         assert (lw.q_bias is not None) == c.qkv_bias
         assert (lw.q_norm is not None) == (c.qk_norm or c.qk_proj_norm)
         assert (lw.attn_norm is not None) == c.pre_norm

@@ -62,6 +62,21 @@ def test_prefill_past_the_chunk_then_decode_match_hf(pair):
     assert g.new_ids == ref.argmax(-1).tolist()
 
 
+def test_the_experts_chosen_differ_and_the_shared_one_is_gated(pair):
+    model, _, ids = pair
+    if not model.config.n_experts:
+        pytest.skip("Qwen3.5's text model: a dense MLP in every layer")
+    assert model.config.mlp_types == ("moe", "moe", "dense", "moe")  # mlp_only_layers [2]
+    _, tr = model.run(ids)
+    chosen = tr["layers.0.mlp.experts_chosen"]  # [1, T, 2]
+    assert len(chosen.unique()) >= 2 and tr.shape("layers.0.mlp.shared_gate") == (1, T, 1)
+    gate, shared = tr["layers.0.mlp.shared_gate"], tr["layers.0.mlp.shared.down"]
+    assert torch.allclose(tr["layers.0.mlp.shared_gated"], gate * shared)
+    assert torch.allclose(tr["layers.0.mlp.out"], tr["layers.0.mlp.routed"] + gate * shared)
+    assert 0.05 < gate.min() and gate.max() < 0.95  # a gate, not a switch held open
+    assert "layers.2.mlp.down" in tr and "layers.2.mlp.router" not in tr
+
+
 def test_chunked_prefill_equals_token_by_token_steps(pair):
     """The same tokens through the chunked rule (one pass) and the recurrent step (one token
     per pass, reading the state): the same logits."""
@@ -81,7 +96,7 @@ def logits_with(model, ids, config=None, patch=None):
 
 
 @pytest.mark.parametrize("control", ["output gate", "partial RoPE", "(1 + w) norms", "QK-norm",
-                                     "the state carried"])
+                                     "the shared expert's gate", "the state carried"])
 def test_each_switch_matters(pair, control):
     model, hf, ids = pair
     ref, c = hf_logits(hf, ids), model.config
@@ -94,6 +109,11 @@ def test_each_switch_matters(pair, control):
         got = logits_with(model, ids, c.replace(norm_offset=False))
     elif control == "QK-norm":
         got = logits_with(model, ids, c.replace(qk_norm=False))
+    elif control == "the shared expert's gate":  # 1: the shared expert whole
+        if not c.n_experts:
+            pytest.skip("Qwen3.5's text model has no experts")
+        got = logits_with(model, ids, patch={"layers.*.mlp.shared_gate":
+                                             lambda t: torch.ones_like(t)})
     else:  # each linear layer's state emptied after the prompt: the next token forgets it
         cache = model.new_cache(T + 1)
         with torch.inference_mode():

@@ -17,7 +17,8 @@ from .errors import LlmTraceError
 # the integer fields and their least value (head_dim 0 means hidden_size // n_heads)
 INT_FIELDS = {"vocab_size": 1, "hidden_size": 1, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1,
               "ffn_size": 1, "max_positions": 1, "head_dim": 0, "bos_id": 0, "eos_id": 0,
-              "sliding_window": 0, "n_experts": 0, "n_experts_active": 0, "moe_ffn_size": 0}
+              "sliding_window": 0, "n_experts": 0, "n_experts_active": 0, "moe_ffn_size": 0,
+              "shared_ffn_size": 0}
 OPTIONAL_IDS = ("bos_id", "eos_id")  # None: the model has none
 
 
@@ -104,6 +105,9 @@ def moe_problems(v: dict, key=str) -> list[str]:
     if E and not 1 <= k <= E:
         problems.append(f"{key('n_experts_active')}={k} must lie in 1 .. "
                         f"{key('n_experts')}={E}: each position goes to k of the E experts")
+    if v["shared_ffn_size"] and not E:
+        problems.append(f"{key('shared_ffn_size')}={v['shared_ffn_size']} with "
+                        f"{key('n_experts')}=0: a shared expert sits beside routed ones")
     if E and Fm < 1:
         problems.append(f"{key('moe_ffn_size')}={Fm} must be at least 1: an expert's width")
     from .moe import ROUTERS
@@ -204,6 +208,7 @@ class Config:
     moe_router: str = "softmax_topk"  # moe.ROUTERS: how the router's logits choose and weigh
     moe_renormalize: bool = True  # the k chosen weights rescaled to sum 1 (norm_topk_prob)
     mlp_types: tuple = ()  # per layer "dense" or "moe"; () = every layer MoE if n_experts
+    shared_ffn_size: int = 0  # Qwen3-Next: one shared expert this wide, scaled by a sigmoid gate
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # as HF writes it: keep it hashable, in order

@@ -22,10 +22,11 @@ from .errors import LlmTraceError
 from .kv_cache import KVCache
 from .memory import check_budget, keep_freed_memory_if_asked, needs_estimate
 from .mlp import swiglu
-from .moe import MoeWeights, hf_moe_weights, moe_mlp
+from .moe import MlpWeights, MoeWeights, hf_moe_weights, moe_mlp
 from .norm import rms_norm
 from .trace import NO_TRACE, Patched, Trace
-from .weights.names import LAYER_TENSORS, MODEL_TENSORS, expected_shapes, hf_name, moe_hf_names
+from .weights.names import (DENSE_MLP, LAYER_TENSORS, MODEL_TENSORS, expected_shapes, hf_name,
+                            moe_hf_names)
 
 
 @dataclass(kw_only=True)
@@ -80,6 +81,10 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
     for i, lw in enumerate(layers):
         if c.is_moe(i):  # the experts' matrices stacked, expert e's at [e]
             lw.moe = hf_moe_weights(sd.__getitem__, f"model.layers.{i}", c.family, c.n_experts)
+        if c.is_moe(i) and c.shared_ffn_size:  # Qwen3-Next: a gated shared expert
+            names = moe_hf_names(c, i)
+            lw.moe.shared = MlpWeights(*(sd[names[f"moe.shared.{f}"]] for f in DENSE_MLP))
+            lw.moe.shared_gate = sd[names["moe.shared_gate"]]
     embed = sd[hf_name("embed")]
     head = embed if c.tied_lm_head else sd[hf_name("lm_head")]
     return Weights(embed, layers, sd[hf_name("final_norm")], head)

@@ -76,7 +76,7 @@ SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "norm_offse
             "sandwich_norm", "pre_norm", "mlp_act", "embed_scale", "attn_scale", "layer_types",
             "rope_local_theta", "attn_output_gate", "partial_rotary_factor", "linear_attn",
             "n_experts", "n_experts_active", "moe_ffn_size", "moe_router",
-            "moe_renormalize", "mlp_types")
+            "moe_renormalize", "mlp_types", "shared_ffn_size")
 COMPUTED = ("llmtrace computes Llama-family models "
             f"({', '.join(f.label for f in REGISTRY.values())})")
 # model_types refused by name, for what they compute instead of a Llama block

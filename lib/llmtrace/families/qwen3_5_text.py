@@ -25,11 +25,17 @@ def refuse(c: dict, where: str) -> None:
 def write(c, hf: dict) -> dict:
     """Qwen3-Next's config.json, as Qwen3_5TextConfig's (no experts to name)."""
     hf = NEXT.write(c, hf)
-    hf.pop("num_experts")
+    for key in [k for k in hf if "expert" in k or k in ("norm_topk_prob",
+                                                           "decoder_sparse_step",
+                                                           "mlp_only_layers")]:
+        hf.pop(key)
     return {**hf, "architectures": ["Qwen3_5ForCausalLM"]}
 
 
 FAMILY = Family("qwen3_5_text", "Qwen3.5 (text)", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig",
-                {**QWEN3_NEXT, "vocab_size": 248320, "num_key_value_heads": 4},
-                switches=NEXT.switches, varies=NEXT.varies, read=read, write=write,
+                {**QWEN3_NEXT, "vocab_size": 248320, "num_key_value_heads": 4,
+                 "num_experts": 0},  # a dense MLP in every layer
+                switches={k: v for k, v in NEXT.switches.items() if k != "moe_router"},
+                varies=("layer_types", "linear_attn", "partial_rotary_factor"),
+                read=read, write=write,
                 refuse=refuse, biased=NEXT.biased, not_null=NEXT.not_null)

@@ -5,6 +5,7 @@ head; QK-norm; every RMSNorm but DeltaNet's gated one multiplies by (1 + weight)
 from ..errors import LlmTraceError
 from . import Family
 from ._read import HFKeys, plain_rope
+from .qwen3_moe import mlp_types_of
 
 HF_LAYER_KINDS = {"linear_attention": "linear", "full_attention": "full"}
 # Qwen3NextConfig's defaults (transformers 5.24), which are Qwen3-Next-80B-A3B's shapes
@@ -14,7 +15,10 @@ LINEAR_KEYS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32,
 DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "head_dim": 256,
             "rope_theta": 10_000.0, "num_key_value_heads": 2, "max_position_embeddings": 32768,
             "bos_token_id": None, "eos_token_id": None, "partial_rotary_factor": 0.25,
-            "full_attention_interval": 4, **LINEAR_KEYS}
+            "full_attention_interval": 4, **LINEAR_KEYS, "num_experts": 512,
+            "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": None}
 
 
 def layer_kinds(k: HFKeys) -> tuple:
@@ -48,10 +52,22 @@ def rotary_factor(k: HFKeys) -> float:
     return float(next(iter(given.values()), k.defaults["partial_rotary_factor"]))
 
 
+def experts(k: HFKeys) -> dict:
+    """The mixture of experts (`moe.moe_mlp`: a softmax over E, the top k, renormalized as
+    norm_topk_prob says) and its one shared expert; num_experts 0: every MLP dense."""
+    E = k.default("num_experts", int, least=0)
+    moe = dict(n_experts=E, n_experts_active=k.default("num_experts_per_tok", int, least=1),
+               moe_ffn_size=k.default("moe_intermediate_size", int, least=1),
+               moe_renormalize=k.default("norm_topk_prob", bool),
+               shared_ffn_size=k.default("shared_expert_intermediate_size", int, least=1)
+               ) if E else {}
+    return dict(**moe, mlp_types=mlp_types_of(k, E))  # Qwen3-MoE's rule: HF's is the same
+
+
 def read(k: HFKeys) -> dict:
     linear = tuple(k.default(key, int, least=1) for key in LINEAR_KEYS)
     return dict(**plain_rope(k), layer_types=layer_kinds(k), linear_attn=linear,
-                partial_rotary_factor=rotary_factor(k))
+                partial_rotary_factor=rotary_factor(k), **experts(k))
 
 
 def refuse(c: dict, where: str) -> None:
@@ -73,12 +89,29 @@ def write(c, hf: dict) -> dict:
             **dict(zip(LINEAR_KEYS, c.linear_attn or LINEAR_KEYS.values())),
             "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta,
                                 "partial_rotary_factor": c.partial_rotary_factor},
-            "num_experts": 0}  # every MLP dense
+            **experts_hf(c)}
+
+
+def experts_hf(c) -> dict:
+    """The experts' keys of Qwen3NextConfig; num_experts 0 makes every MLP dense."""
+    if not c.n_experts:
+        return {"num_experts": 0}
+    only = [i for i, t in enumerate(c.mlp_types) if t == "dense"]  # any pattern
+    return {"num_experts": c.n_experts, "num_experts_per_tok": c.n_experts_active,
+            "moe_intermediate_size": c.moe_ffn_size, "norm_topk_prob": c.moe_renormalize,
+            "shared_expert_intermediate_size": c.shared_ffn_size or 1,
+            "decoder_sparse_step": 1, "mlp_only_layers": only}
 
 
 FAMILY = Family("qwen3_next", "Qwen3-Next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
                 DEFAULTS, switches={"qk_norm": True, "norm_offset": True,
-                                    "attn_output_gate": True},
-                varies=("layer_types", "linear_attn", "partial_rotary_factor"),
+                                    "attn_output_gate": True, "moe_router": "softmax_topk"},
+                varies=("layer_types", "linear_attn", "partial_rotary_factor", "n_experts",
+                        "n_experts_active", "moe_ffn_size", "moe_renormalize", "mlp_types",
+                        "shared_ffn_size"),
+                keys={"n_experts": "num_experts", "n_experts_active": "num_experts_per_tok",
+                      "moe_ffn_size": "moe_intermediate_size",
+                      "moe_renormalize": "norm_topk_prob", "mlp_types": "mlp_only_layers",
+                      "shared_ffn_size": "shared_expert_intermediate_size"},
                 read=read, write=write, refuse=refuse, biased=("attention_bias",),
                 not_null=("head_dim", "num_key_value_heads"))

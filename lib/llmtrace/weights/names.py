@@ -76,6 +76,9 @@ def moe_hf_names(c: Config, layer: int) -> dict[str, str | list[str]]:
     names: dict = {"moe.router": f"{p}.gate.weight"}
     for field, kind in zip(DENSE_MLP, kinds):
         names[f"moe.{field}"] = [f"{p}.experts.{e}.{kind}.weight" for e in range(c.n_experts)]
+    if c.shared_ffn_size:  # Qwen3-Next: one shared expert and its gate
+        names.update({f"moe.shared.{f}": f"{p}.shared_expert.{f}_proj.weight" for f in DENSE_MLP})
+        names["moe.shared_gate"] = f"{p}.shared_expert_gate.weight"
     return names
 
 
@@ -122,6 +125,10 @@ def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
         E, Fm = c.n_experts, c.moe_ffn_size
         shapes.update({"moe.router": (E, D), "moe.gate": (E, Fm, D), "moe.up": (E, Fm, D),
                        "moe.down": (E, D, Fm)})
+        if c.shared_ffn_size:  # Qwen3-Next: a shared expert, gated per position
+            Fs = c.shared_ffn_size
+            shapes.update({"moe.shared.gate": (Fs, D), "moe.shared.up": (Fs, D),
+                           "moe.shared.down": (D, Fs), "moe.shared_gate": (1, D)})
     if c.sandwich_norm:  # and after the MLP
         shapes["post_mlp_norm"] = (D,)
     shapes["final_norm"] = (D,)
@@ -163,5 +170,5 @@ def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
         if c.is_moe(i):  # each expert's matrix under its own name
             for field, names in moe_hf_names(c, i).items():
                 for name in [names] if isinstance(names, str) else names:
-                    out[name] = shapes[field][1:] if field != "moe.router" else shapes[field]
+                    out[name] = shapes[field] if isinstance(names, str) else shapes[field][1:]
     return out
