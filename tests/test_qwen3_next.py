@@ -201,3 +201,26 @@ def test_the_switches_are_refused_on_other_families():
         Config.from_name("tinyllama").replace(attn_output_gate=True).to_hf()
     with pytest.raises(LlmTraceError, match="layer_types has linear layers but no linear_attn"):
         Config.from_name("tinyllama").replace(layer_types=("linear",) * 22)
+
+
+def test_the_80b_preset_counts_as_hfs_class_and_its_card():
+    """qwen3-next-80b-a3b on the meta device: as many parameters as Qwen3NextForCausalLM built
+    from the config.json llmtrace writes, and the model card's 80B total, 3B activated (its
+    card counts the activated without the embedding and head tables, as here)."""
+    c = Config.from_name("qwen3-next-80b-a3b")
+    hf_cfg = transformers.Qwen3NextConfig(**{k: v for k, v in c.to_hf().items()
+                                            if k != "architectures"})
+    with torch.device("meta"):
+        hf = transformers.Qwen3NextForCausalLM(hf_cfg)
+    total, active = parameter_count(c), parameter_count(c, active=True)
+    assert total == sum(p.numel() for p in hf.parameters())
+    tables = 2 * c.vocab_size * c.hidden_size  # untied: embedding and LM head
+    print(f"qwen3-next-80b-a3b: {total:,} parameters, {active:,} active per token")
+    assert round(total / 1e9) == 80 and round((active - tables) / 1e9) == 3
+    assert Config.from_hf(c.to_hf(), name=c.name) == c
+    prefill, decode = trace_shapes(c, 6, 1)
+    assert decode.shape("layers.0.attn.state") == prefill.shape("layers.0.attn.state") == \
+        (1, 32, 128, 128)
+    assert decode.shape("layers.3.attn.kv_cache.k") == (1, 7, 2, 256)
+    assert prefill.shape("layers.3.attn.q_proj") == (1, 6, 2 * 16 * 256)  # query and gate
+    assert prefill.shape("layers.0.mlp.experts_chosen") == (1, 6, 10)

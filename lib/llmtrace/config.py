@@ -381,6 +381,19 @@ PRESETS: dict[str, dict] = {
                           rope_theta=1_000_000.0, norm_eps=1e-6, bos_id=151643, eos_id=151645,
                           head_dim=128, family="qwen3_moe", qk_norm=True, n_experts=128,
                           n_experts_active=8, moe_ffn_size=768, moe_renormalize=True),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (its model card: 48 layers as 12 x (3 Gated
+    # DeltaNet, 1 gated attention), 16 Q / 2 KV heads of 256 with RoPE on 64 dims, DeltaNet 16 QK /
+    # 32 V heads of 128, 512 experts of width 512 with 10 routed + 1 shared; rope_theta 1e7,
+    # 262,144 positions, intermediate_size 5120 (no layer dense), norm_topk_prob, untied)
+    "qwen3-next-80b-a3b": dict(vocab_size=151936, hidden_size=2048, n_layers=48, n_heads=16,
+                               n_kv_heads=2, ffn_size=5120, max_positions=262144,
+                               rope_theta=10_000_000.0, norm_eps=1e-6, bos_id=151643,
+                               eos_id=151645, head_dim=256, family="qwen3_next", qk_norm=True,
+                               norm_offset=True, attn_output_gate=True,
+                               partial_rotary_factor=0.25, linear_attn=(16, 32, 128, 128, 4),
+                               layer_types=("linear", "linear", "linear", "full") * 12,
+                               n_experts=512, n_experts_active=10, moe_ffn_size=512,
+                               shared_ffn_size=512),
 }
 ALIASES = {"tinyllama": "tinyllama-1.1b", "smollm2": "smollm2-135m", "embedded": "smollm2-135m",
            "7b": "llama-2-7b", "70b": "llama-2-70b", "mistral-7b": "mistral-7b-v0.1"}
