@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from llmtrace import Config, LlmTraceError, generate, load_model, trace_shapes
+from llmtrace import cost
 from llmtrace.cost import parameter_count
 from llmtrace.deltanet import DeltaNetState
 from llmtrace.kv_cache import KVCache
@@ -224,3 +225,18 @@ def test_the_80b_preset_counts_as_hfs_class_and_its_card():
     assert decode.shape("layers.3.attn.kv_cache.k") == (1, 7, 2, 256)
     assert prefill.shape("layers.3.attn.q_proj") == (1, 6, 2 * 16 * 256)  # query and gate
     assert prefill.shape("layers.0.mlp.experts_chosen") == (1, 6, 10)
+
+
+def test_the_cache_bytes_count_a_state_that_does_not_grow():
+    """cost.cache_bytes: each DeltaNet layer holds its state whatever the context (the bytes of
+    a DeltaNetState in bf16), each full layer K and V of every position."""
+    c = Config.from_name("qwen3-next-80b-a3b")
+    state = DeltaNetState(c.deltanet_dims, device="meta", dtype=torch.bfloat16).nbytes()
+    per_token = 2 * c.n_kv_heads * c.head_dim * 2  # K and V, bf16
+    assert (state, per_token) == (1_097_728, 2048)
+    linear, full = c.layer_types.count("linear"), c.layer_types.count("full")
+    for n in (1, 4096, 32768):
+        assert cost.cache_bytes(c, n) == linear * state + full * n * per_token
+    dense = c.replace(layer_types=("full",) * c.n_layers)  # every layer attending, for scale
+    grows = [cost.cache_bytes(m, 8192) - cost.cache_bytes(m, 4096) for m in (c, dense)]
+    assert grows[1] == 4 * grows[0]  # one layer in four grows

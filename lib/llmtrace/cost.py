@@ -13,6 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .config import Config
+from .deltanet import state_bytes
 from .weights.names import MODEL_TENSORS, layers_holding, tensor_shapes
 
 
@@ -131,3 +132,21 @@ def decode_bytes(c: Config, context: int, batch: int = 1,
     kv = 2 * c.n_layers * batch * context * c.n_kv_heads * c.head_dim
     return {"weights": weights * bytes_per_value, "kv_cache": kv * bytes_per_value,
             "total": (weights + kv) * bytes_per_value}
+
+
+def layer_cache_values(c: Config, layer: int, context: int) -> int:
+    """The numbers one layer's cache must hold after `context` positions, per sequence: one
+    branch per kind of layer, so that a new kind of cache is one more branch."""
+    if c.is_linear(layer):  # Gated DeltaNet (Qwen3-Next): its state, the same at any context
+        return state_bytes(c.deltanet_dims, bytes_per_value=1)
+    if c.is_sliding(layer):  # a query sees only the last sliding_window keys
+        context = min(context, c.sliding_window)
+    return context * 2 * c.n_kv_heads * c.head_dim  # K and V of every KV head
+
+
+def cache_bytes(c: Config, context: int, bytes_per_value: int = 2, batch: int = 1) -> int:
+    """Bytes a model's cache must hold after `context` positions (bf16 by default): the sum of
+    its layers' `layer_cache_values`. A sliding layer counts only its window, what an inference
+    cache keeps; llmtrace's own cache keeps every position, so that the trace can show them."""
+    return batch * bytes_per_value * sum(layer_cache_values(c, i, context)
+                                         for i in range(c.n_layers))
