@@ -368,6 +368,10 @@ def dla_own_rms(acts, weights, c, layer, head, clean, corrupt):
     return _dla_variant("own_rms")(acts, weights, c, layer, head, clean, corrupt)
 
 
+def delta_rule_without_fade(S, q, k, v, g, beta):
+    return solution("delta_rule_step")(S, q, k, v, torch.zeros_like(g), beta)
+
+
 INF = float("-inf")
 WRONG = {
     "count_parameters": [(llama_only_count, "qk_norm")],
@@ -402,6 +406,7 @@ WRONG = {
     "patch_country": [(lambda stream, other, pos: other.clone(), "only the country's position")],
     "head_logit_attribution": [(dla_own_rms, "freeze the final norm's divisor")],
     "sliding_window_mask": [(window_sees_one_more, "off by one")],
+    "delta_rule_step": [(delta_rule_without_fade, "the state fades first")],
 }
 
 

@@ -16,7 +16,10 @@ from tiny_checkpoint import ROWS, make_tiny_checkpoint
 # the families whose blocks the exercises do not build yet, and why
 NOT_EXERCISED = {"olmo2": "no norm before a sublayer, and the exercises read attn_norm's input",
                  **{f: "a mixture of experts: the exercises build the dense SwiGLU MLP"
-                    for f in ("mixtral", "qwen3_moe", "qwen3_moe_sparse")}}
+                    for f in ("mixtral", "qwen3_moe", "qwen3_moe_sparse")},
+                 **{f: "layer 0 is a Gated DeltaNet layer, and the exercises read attention's "
+                       "records (delta_rule_step reads its own)" for f in ("qwen3_next",
+                                                                         "qwen3_5_text")}}
 FAMILIES = [f for f in ROWS if f not in NOT_EXERCISED]
 
 
