@@ -74,10 +74,9 @@ def block_flow(config: Config) -> tuple[tuple[str, str], ...]:
     records were made. Found by running one layer of each kind on the meta device and following
     which recorded tensors each recorded tensor derives from: whatever a family records is on
     the map, with the edges its code gives it."""
-    from .model import meta_model
+    from .model import one_layer_of_each_kind
 
-    kinds = tuple(dict.fromkeys(config.layer_types))  # () when every layer is alike
-    one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds))
+    one, _ = one_layer_of_each_kind(config)  # its layer 0 is of layer 0's kind
     with _Flow() as flow:
         trace = _FlowTrace(flow)
         one.forward(torch.zeros(1, 2, dtype=torch.long), trace, one.new_cache(2))
