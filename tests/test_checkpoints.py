@@ -21,8 +21,10 @@ def state_dict(tiny):
 
 
 def test_one_table_names_every_weight():
-    # and a mixture of experts' layer holds its MoeWeights, named by moe_hf_names
-    assert [*LAYER_TENSORS, "moe"] == [f.name for f in dataclasses.fields(LayerWeights)]
+    # and a mixture of experts' layer holds its MoeWeights, named by moe_hf_names; a Gated
+    # DeltaNet layer its DeltaNetWeights, named by names.linear_shapes
+    assert [*LAYER_TENSORS, "linear", "moe"] == [f.name for f in
+                                                 dataclasses.fields(LayerWeights)]
     assert set(MODEL_TENSORS) == {f.name for f in dataclasses.fields(Weights)} - {"layers"}
     shapes = expected_shapes(Config.from_name("tinyllama-1.1b"))
     assert shapes["model.layers.21.self_attn.k_proj.weight"] == (256, 2048)
