@@ -240,3 +240,26 @@ def test_the_cache_bytes_count_a_state_that_does_not_grow():
     dense = c.replace(layer_types=("full",) * c.n_layers)  # every layer attending, for scale
     grows = [cost.cache_bytes(m, 8192) - cost.cache_bytes(m, 4096) for m in (c, dense)]
     assert grows[1] == 4 * grows[0]  # one layer in four grows
+
+
+# Qwen/Qwen3-Next-80B-A3B-Instruct's config.json: the keys that fix what it computes, as
+# published (its model card gives the same counts: 16 Q / 2 KV heads of 256 with RoPE on 64,
+# DeltaNet 16 QK / 32 V heads of 128, 512 experts of 512, 10 routed + 1 shared)
+PUBLISHED_80B = {
+    "architectures": ["Qwen3NextForCausalLM"], "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1,
+    "eos_token_id": 151645, "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 5120,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+    "max_position_embeddings": 262144, "mlp_only_layers": [], "model_type": "qwen3_next",
+    "moe_intermediate_size": 512, "norm_topk_prob": True, "num_attention_heads": 16,
+    "num_experts": 512, "num_experts_per_tok": 10, "num_hidden_layers": 48,
+    "num_key_value_heads": 2, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 10000000, "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False, "vocab_size": 151936}
+
+
+def test_the_published_config_json_reads_as_the_preset():
+    c = Config.from_hf(PUBLISHED_80B, name="qwen3-next-80b-a3b")
+    assert c == Config.from_name("qwen3-next-80b-a3b")
