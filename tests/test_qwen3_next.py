@@ -263,3 +263,25 @@ PUBLISHED_80B = {
 def test_the_published_config_json_reads_as_the_preset():
     c = Config.from_hf(PUBLISHED_80B, name="qwen3-next-80b-a3b")
     assert c == Config.from_name("qwen3-next-80b-a3b")
+
+
+def test_the_weights_go_back_under_hfs_names(pair, tmp_path):
+    """state_dict_from_weights undoes the loader: the fused projections regrouped per key head
+    (Qwen3-Next) or split apart (Qwen3.5), the experts and the shared one under their names,
+    every tensor as the checkpoint holds it; HF's class loads what save_hf writes."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from llmtrace.model import state_dict_from_weights
+    from llmtrace.weights.hf import save_hf
+
+    model, hf, ids = pair
+    original = load_file(str(Path(model.source) / "model.safetensors"))
+    back = state_dict_from_weights(model.config, model.weights)
+    assert set(back) == set(original)
+    assert all(torch.equal(back[n], original[n]) for n in original)
+    save_hf(tmp_path / "back", model.config, back, model.tokenizer)
+    again = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "back", attn_implementation="eager", dtype=torch.float32).eval()
+    assert torch.equal(hf_logits(again, ids), hf_logits(hf, ids))

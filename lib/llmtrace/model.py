@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,8 @@ import torch.nn.functional as F
 from .attention import Positions, attention
 from .check import check_ids
 from .config import Config
-from .deltanet import DeltaNetState, DeltaNetWeights, gated_deltanet, hf_deltanet_weights
+from .deltanet import (DeltaNetState, DeltaNetWeights, gated_deltanet, hf_deltanet_state_dict,
+                       hf_deltanet_weights)
 from .embed import embed
 from .errors import LlmTraceError
 from .kv_cache import KVCache
@@ -92,16 +94,16 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
 
 def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
     """The inverse, in HF naming (used to write HF checkpoints)."""
-    if c.linear_attn:
-        raise LlmTraceError(f"config {c.name!r}: writing Gated DeltaNet layers back to a "
-                            f"checkpoint is not implemented: keep the checkpoint they came from")
     sd = {hf_name(f): getattr(w, f) for f in MODEL_TENSORS if f != "lm_head" or not c.tied_lm_head}
     for i, lw in enumerate(w.layers):
         sd.update({hf_name(f, i, c): getattr(lw, f) for f in LAYER_TENSORS
                    if getattr(lw, f) is not None})
+        if lw.linear is not None:  # Qwen3-Next: as HF stores a Gated DeltaNet layer
+            sd.update(hf_deltanet_state_dict(lw.linear, f"model.layers.{i}", c.deltanet_dims,
+                                             c.family))
         if lw.moe is not None:  # each expert's matrix under its own name
             for field, names in moe_hf_names(c, i).items():
-                t = getattr(lw.moe, field.removeprefix("moe."))
+                t = attrgetter(field.removeprefix("moe."))(lw.moe)  # "shared.gate" too
                 sd.update({names: t} if isinstance(names, str) else dict(zip(names, t)))
     return sd
 
