@@ -407,7 +407,17 @@ WRONG = {
     "head_logit_attribution": [(dla_own_rms, "freeze the final norm's divisor")],
     "sliding_window_mask": [(window_sees_one_more, "off by one")],
     "delta_rule_step": [(delta_rule_without_fade, "the state fades first")],
+    "choose_experts": [(lambda logits, k: torch.topk(torch.softmax(logits, -1), k, -1)[::-1],
+                        "renormalize")],
+    "layers_without_rope": [(lambda acts, n: [i for i in range(n) if not torch.equal(
+        acts[f"layers.{i}.attn.rope_q"], acts[f"layers.{i}.attn.q"])], "RoPE turned")],
+    "rebuild_kv": [(lambda lat, kv_b, H, dn: tuple(reversed(rebuild_kv(lat, kv_b, H, dn))),
+                    "its key part")],
 }
+
+
+def rebuild_kv(latent, kv_b, n_heads, nope_dim):
+    return solution("rebuild_kv")(latent, kv_b, n_heads, nope_dim)
 
 
 def test_every_exercise_has_a_wrong_version():

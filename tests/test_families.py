@@ -143,7 +143,9 @@ def test_config_round_trip_through_hf(f):
 
 
 def test_configs_hf_cannot_compute_are_refused():
-    with pytest.raises(LlmTraceError, match=r"rope_scaling=\{'rope_type': 'yarn'.* is not Llama"):
+    with pytest.raises(LlmTraceError, match=r"rope_scaling=\{'rope_type': 'dynamic'.* is not Llama"):
+        Config.from_name("llama-3.2-1b").replace(rope_scaling={"rope_type": "dynamic"})
+    with pytest.raises(LlmTraceError, match="rope_scaling of type 'yarn' needs a positive factor"):
         Config.from_name("llama-3.2-1b").replace(rope_scaling={"rope_type": "yarn"})
     with pytest.raises(LlmTraceError, match="qk_norm=True set with family 'llama': HF's Llama"):
         Config.from_name("tinyllama").replace(qk_norm=True).to_hf()

@@ -14,18 +14,21 @@ def recorded_names() -> set[str]:
     """Every name a forward pass and a top-k / top-p sampling step record, layer index as N."""
     prefill, decode = trace_shapes("tinyllama-1.1b", 6, 1)
     names = {re.sub(r"^layers\.\d+\.", "layers.N.", n) for n in prefill.names + decode.names}
+    for t in trace_shapes("deepseek-v3", 6, 1):  # latent attention, DeepSeek's experts
+        names |= {re.sub(r"^layers\.\d+\.", "layers.N.", n) for n in t.names}
     step = Trace()
     sample(torch.randn(100), 0.8, top_k=10, top_p=0.9, generator=torch.Generator(), trace=step)
     return names | set(step.names)
 
 
 def glossary_names(known: set[str], section: str | None = None) -> list[str]:
-    """The names in the first column of the glossary's table (None: the walk's, before the first
-    "##" heading; else the table under the heading `section`). A short name after the first one
-    (`k_proj` after `layers.N.attn.q_proj`) completes with a prefix of the first."""
+    """The names in the first column of the glossary's tables (None: the walk's and
+    DeepSeek-V3's, before Qwen3-Next's; else the table under the heading `section`). A short
+    name after the first one (`k_proj` after `layers.N.attn.q_proj`) completes with a prefix
+    of the first."""
     names, text = [], GLOSSARY.read_text()
     if section is None:
-        text = text.split("\n## ")[0]
+        text = text.split("\n## Qwen3-Next's records")[0]
     else:
         text = text.split(f"\n### {section}")[1].split("\n#")[0]
     for line in text.splitlines():

@@ -40,12 +40,19 @@ def parameter_table(c: Config) -> list[ParamRow]:
     """One row per component, in model order; a tied LM head has no row of its own."""
     rows = []
     for field, shape in tensor_shapes(c).items():
+        if field in BUFFERS:
+            continue
         per_layer = field not in MODEL_TENSORS
         component = "embedding" if field == "embed" else field
         copies = layers_holding(c, field)  # 1 outside the layers
         rows.append(ParamRow(component, shape, math.prod(shape), copies, per_layer,
                              active_of(c, field, shape)))
     return rows
+
+
+# tensors a checkpoint holds that are no parameters: DeepSeek-V3's router bias is set by a rule
+# during training, not by gradient (a buffer in HF's class, which counts it in no total)
+BUFFERS = ("moe.score_bias",)
 
 
 def active_of(c: Config, field: str, shape: tuple) -> int:
@@ -125,28 +132,31 @@ def decode_bytes(c: Config, context: int, batch: int = 1,
                  bytes_per_value: int = 4) -> dict[str, int]:
     """Bytes one decode step must read from memory: every weight matrix once (the embedding lookup
     reads one row; the LM head reads its whole table, which is the embedding table when tied), and
-    K and V of every cached position in every layer."""
+    the cache of every cached position in every layer (K and V; latent attention's latents)."""
     table = c.vocab_size * c.hidden_size
     weights = (parameter_count(c) - (0 if c.tied_lm_head else table)
                + c.hidden_size)  # + the row looked up
-    kv = 2 * c.n_layers * batch * context * c.n_kv_heads * c.head_dim
+    kv = cache_bytes(c, context, 1, batch, capped=False)  # values: the step reads them all
     return {"weights": weights * bytes_per_value, "kv_cache": kv * bytes_per_value,
             "total": (weights + kv) * bytes_per_value}
 
 
-def layer_cache_values(c: Config, layer: int, context: int) -> int:
+def layer_cache_values(c: Config, layer: int, context: int, capped: bool = True) -> int:
     """The numbers one layer's cache must hold after `context` positions, per sequence: one
     branch per kind of layer, so that a new kind of cache is one more branch."""
     if c.is_linear(layer):  # Gated DeltaNet (Qwen3-Next): its state, the same at any context
         return state_bytes(c.deltanet_dims, bytes_per_value=1)
-    if c.is_sliding(layer):  # a query sees only the last sliding_window keys
+    if c.kv_lora_rank:  # latent attention: the latent and the rotated key part (mla.py)
+        return context * (c.kv_lora_rank + c.head_dim)
+    if capped and c.is_sliding(layer):  # a query sees only the last sliding_window keys
         context = min(context, c.sliding_window)
     return context * 2 * c.n_kv_heads * c.head_dim  # K and V of every KV head
 
 
-def cache_bytes(c: Config, context: int, bytes_per_value: int = 2, batch: int = 1) -> int:
+def cache_bytes(c: Config, context: int, bytes_per_value: int = 2, batch: int = 1,
+                capped: bool = True) -> int:
     """Bytes a model's cache must hold after `context` positions (bf16 by default): the sum of
     its layers' `layer_cache_values`. A sliding layer counts only its window, what an inference
-    cache keeps; llmtrace's own cache keeps every position, so that the trace can show them."""
-    return batch * bytes_per_value * sum(layer_cache_values(c, i, context)
+    cache keeps; capped=False counts every position, as llmtrace's own cache keeps them."""
+    return batch * bytes_per_value * sum(layer_cache_values(c, i, context, capped)
                                          for i in range(c.n_layers))

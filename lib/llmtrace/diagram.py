@@ -61,10 +61,10 @@ class _FlowTrace(Trace):
         super().__init__(keep_values=False)
         self.flow, self.edges = flow, []
 
-    def record(self, name, op, tensor, macs=0):
+    def record(self, name, op, tensor, macs=0, recompute=None):
         self.edges += [(src, name) for src in self.flow.came_from.get(id(tensor), ())]
         self.flow.mark(tensor, (name,))
-        return super().record(name, op, tensor, macs)
+        return super().record(name, op, tensor, macs, recompute)
 
 
 @functools.lru_cache(maxsize=32)

@@ -8,7 +8,7 @@ runs on real fp32 weights (values) and on PyTorch's `meta` device (shapes only, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import attrgetter
 
 import torch
@@ -22,13 +22,14 @@ from .deltanet import (DeltaNetState, DeltaNetWeights, gated_deltanet, hf_deltan
 from .embed import embed
 from .errors import LlmTraceError
 from .kv_cache import KVCache
+from .mla import LatentCache, MlaDims, MlaWeights, mla_attention
 from .memory import check_budget, keep_freed_memory_if_asked, needs_estimate
 from .mlp import swiglu
 from .moe import MlpWeights, MoeWeights, hf_moe_weights, moe_mlp
 from .norm import rms_norm
 from .trace import NO_TRACE, Patched, Trace
-from .weights.names import (DENSE_MLP, LAYER_TENSORS, MODEL_TENSORS, expected_shapes, hf_name,
-                            moe_hf_names)
+from .weights.names import (DENSE_MLP, LAYER_TENSORS, MLA_TENSORS, MODEL_TENSORS,
+                            expected_shapes, hf_name, moe_hf_names, tensor_shapes)
 
 
 @dataclass(kw_only=True)
@@ -36,7 +37,7 @@ class LayerWeights:
     attn_norm: torch.Tensor | None = None  # [D]   (None: no norm before a sublayer, OLMo 2)
     # (None on a Gated DeltaNet layer, which has `linear` instead: Qwen3-Next)
     q_proj: torch.Tensor | None = None  # [H*hd, D]   (out, in), as F.linear takes it
-    k_proj: torch.Tensor | None = None  # [KV*hd, D]
+    k_proj: torch.Tensor | None = None  # [KV*hd, D]   (None: latent attention's `mla`)
     v_proj: torch.Tensor | None = None  # [KV*hd, D]
     o_proj: torch.Tensor | None = None  # [D, H*hd]
     mlp_norm: torch.Tensor | None = None  # [D]
@@ -50,8 +51,9 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None  # [hd]     ([KV*hd], OLMo 2)
     post_attn_norm: torch.Tensor | None = None  # [D]  (sandwich_norm: Gemma)
     post_mlp_norm: torch.Tensor | None = None  # [D]
-    linear: DeltaNetWeights | None = None  # a Gated DeltaNet layer's (layer_types "linear")
     moe: MoeWeights | None = None  # a mixture of experts in place of gate, up, down (Mixtral)
+    mla: MlaWeights | None = None  # kv_lora_rank (DeepSeek): latent attention's weights
+    linear: DeltaNetWeights | None = None  # a Gated DeltaNet layer's (layer_types "linear")
 
 
 @dataclass
@@ -75,7 +77,9 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
                                 f"but the config implies {list(shape)}: "
                                 "the checkpoint and its config.json disagree")
     layers = [LayerWeights(**{f: sd[hf_name(f, i, c)] for f in LAYER_TENSORS
-                              if hf_name(f, i, c) in expected},
+                              if hf_name(f, i, c) in expected
+                              and not (c.kv_lora_rank and f in ("q_proj", "o_proj"))},
+                           mla=mla_weights(c, sd, i) if c.kv_lora_rank else None,
                            linear=hf_deltanet_weights(sd.__getitem__, f"model.layers.{i}",
                                                       c.deltanet_dims, c.family)
                            if c.is_linear(i) else None)
@@ -92,6 +96,18 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
     return Weights(embed, layers, sd[hf_name("final_norm")], head)
 
 
+def mla_weights(c: Config, sd: dict, i: int) -> MlaWeights:
+    """Layer i's latent attention weights, by the names of `MLA_TENSORS`."""
+    shapes = tensor_shapes(c)
+    return MlaWeights(**{f.removeprefix("mla."): sd[hf_name(f, i, c)] for f in MLA_TENSORS
+                         if f in shapes})
+
+
+def mla_dims(c: Config) -> MlaDims:
+    return MlaDims(c.n_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.head_dim, c.v_head_dim,
+                   c.q_lora_rank or None, c.rope_interleave, c.rope_scaling)
+
+
 def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
     """The inverse, in HF naming (used to write HF checkpoints)."""
     sd = {hf_name(f): getattr(w, f) for f in MODEL_TENSORS if f != "lm_head" or not c.tied_lm_head}
@@ -105,6 +121,9 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
             for field, names in moe_hf_names(c, i).items():
                 t = attrgetter(field.removeprefix("moe."))(lw.moe)  # "shared.gate" too
                 sd.update({names: t} if isinstance(names, str) else dict(zip(names, t)))
+        if lw.mla is not None:
+            sd.update({hf_name(f, i, c): getattr(lw.mla, f.removeprefix("mla.")) for f in
+                       MLA_TENSORS if getattr(lw.mla, f.removeprefix("mla.")) is not None})
     return sd
 
 
@@ -113,7 +132,10 @@ def attn_sublayer(h, w: LayerWeights, config, pos: Positions, cache=None, trace=
     """What attention adds to the stream: attention of the normalized stream h [B, T, D];
     sandwich_norm (Gemma): normalized once more before the add. A Gated DeltaNet layer
     (Qwen3-Next) mixes the tokens through its state (`cache`) in place of attention."""
-    if w.linear is not None:  # Qwen3-Next: a fixed state per head, no KV cache
+    if config.kv_lora_rank:  # DeepSeek: K and V rebuilt from a cached latent
+        h = mla_attention(h, w.mla, mla_dims(config), pos, cache, trace,
+                          f"{name}.attn")  # [B, T, D]
+    elif w.linear is not None:  # Qwen3-Next: a fixed state per head, no KV cache
         h = gated_deltanet(h, w.linear, config.deltanet_dims, cache, trace,
                            f"{name}.attn")  # [B, T, D]
     else:
@@ -131,7 +153,9 @@ def mlp_sublayer(h, w: LayerWeights, config, trace=NO_TRACE, name="layers.0") ->
     if w.moe is not None:  # a mixture of experts: k of E expert MLPs (moe.py)
         h = moe_mlp(h, w.moe, config.n_experts_active, config.moe_router,
                     config.moe_renormalize, config.mlp_act, trace=trace,
-                    name=f"{name}.mlp")  # [B, T, D]
+                    name=f"{name}.mlp", n_group=config.moe_groups,
+                    topk_group=config.moe_groups_chosen,
+                    scaling=config.moe_scaling)  # [B, T, D]
     else:
         h = swiglu(h, w, trace, f"{name}.mlp", config.mlp_act)  # [B, T, D]
     if config.sandwich_norm:
@@ -186,10 +210,14 @@ class Model:
     def is_meta(self) -> bool:
         return self.device.type == "meta"
 
-    def new_cache(self, max_len: int, batch: int = 1) -> list[KVCache | DeltaNetState]:
-        """One `KVCache` per layer, for sequences up to max_len positions; a Gated DeltaNet
-        layer (Qwen3-Next) gets its `DeltaNetState` instead, the same size at any length."""
+    def new_cache(self, max_len: int, batch: int = 1) -> list[KVCache]:
+        """One `KVCache` per layer, for sequences up to max_len positions (latent attention:
+        one `LatentCache`, the latent and the rotated key part); a Gated DeltaNet layer
+        (Qwen3-Next) gets its `DeltaNetState` instead, the same size at any length."""
         c, dtype = self.config, self.weights.embed.dtype
+        if c.kv_lora_rank:
+            return [LatentCache(max_len, c.kv_lora_rank, c.head_dim, batch, self.device, dtype)
+                    for _ in range(c.n_layers)]
         return [DeltaNetState(c.deltanet_dims, batch, self.device, dtype) if c.is_linear(i)
                 else KVCache(max_len, c.n_kv_heads, c.head_dim, batch, self.device, dtype)
                 for i in range(c.n_layers)]
@@ -209,6 +237,8 @@ class Model:
             layer_cache = None if cache is None else cache[i]
             # Gemma 3: a sliding layer has its own positions (window, RoPE base)
             layer_pos = pos.local if pos.local and c.is_sliding(i) else pos
+            if c.no_rope_layers and not c.has_rope(i):  # SmolLM3: q, k unturned
+                layer_pos = replace(layer_pos, rope=False)
             x = block(x, lw, c, layer_pos, layer_cache, trace,
                       f"layers.{i}")  # [B, T, D]
         x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm",
@@ -302,6 +332,7 @@ def one_layer_of_each_kind(config: Config, **changes) -> tuple[Model, list[list[
     kinds = list(dict.fromkeys(kind))
     one = meta_model(config.replace(
         n_layers=len(kinds), **changes,
+        no_rope_layers=(),  # a NoPE layer records the same shapes
         layer_types=tuple(a for a, _ in kinds) if config.layer_types else (),
         mlp_types=tuple(m for _, m in kinds) if config.mlp_types else ()))
     return one, [[i for i in range(config.n_layers) if kind[i] == k] for k in kinds]
@@ -330,8 +361,8 @@ def trace_bytes(config: Config, trace: Trace, T: int, decode_steps: int = 0) -> 
     """Bytes the kept values of a prefill of T positions and `decode_steps` one-token steps would
     hold. Every value: `estimate_trace_bytes`. A filter: counted from a shapes-only pass of one
     layer on the meta device (each layer records the same shapes; Gemma 3: one layer of each
-    kind). Each decode step is counted as the last, the largest; views as if they were copies:
-    an upper bound."""
+    kind). Each decode step is counted as the last, the largest; views, and the records a trace
+    recomputes when read, as if they were copies: an upper bound."""
     if trace.keeps_all:  # every value: the closed form, no pass needed
         return estimate_trace_bytes(config, T) + decode_steps * estimate_trace_bytes(
             config, 1, T + decode_steps)

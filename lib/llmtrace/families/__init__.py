@@ -53,8 +53,10 @@ class Family:
     # where the family's differs from _read.HF_KEYS' (errors name what the user wrote)
 
 
-from . import gemma3, llama, mistral, olmo2, qwen2, qwen3  # noqa: E402  (they import Family)
+from . import gemma3, llama, mistral, olmo2, olmo3  # noqa: E402  (they import Family)
+from . import qwen2, qwen3, smollm3  # noqa: E402
 from . import mixtral, qwen3_moe  # noqa: E402  (mixtures of experts)
+from . import deepseek_v2, deepseek_v3  # noqa: E402  (latent attention)
 from . import qwen3_5_text, qwen3_next  # noqa: E402  (Gated DeltaNet layers)
 
 # model_type -> its entry: one line per family
@@ -65,26 +67,35 @@ REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     qwen3.FAMILY,
     gemma3.FAMILY,
     olmo2.FAMILY,
-    qwen3_next.FAMILY,
-    qwen3_5_text.FAMILY,
     mixtral.FAMILY,
     qwen3_moe.FAMILY,
+    olmo3.FAMILY,
+    smollm3.FAMILY,
+    deepseek_v3.FAMILY,
+    deepseek_v2.FAMILY,
+    qwen3_next.FAMILY,
+    qwen3_5_text.FAMILY,
 )}
 # the fields of Config that only some families set; a family sets each to its default, to the
 # value in its `switches`, or (in `varies`) to what its config.json says
 SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "norm_offset",
             "sandwich_norm", "pre_norm", "mlp_act", "embed_scale", "attn_scale", "layer_types",
-            "rope_local_theta", "attn_output_gate", "partial_rotary_factor", "linear_attn",
-            "n_experts", "n_experts_active", "moe_ffn_size", "moe_router",
-            "moe_renormalize", "mlp_types", "shared_ffn_size")
+            "rope_local_theta", "n_experts", "n_experts_active", "moe_ffn_size", "moe_router",
+            "moe_renormalize", "mlp_types", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+            "v_head_dim", "rope_interleave", "n_shared_experts", "moe_groups",
+            "moe_groups_chosen", "moe_scaling", "no_rope_layers", "attn_output_gate",
+            "partial_rotary_factor", "linear_attn", "shared_ffn_size")
 COMPUTED = ("llmtrace computes Llama-family models "
             f"({', '.join(f.label for f in REGISTRY.values())})")
 # model_types refused by name, for what they compute instead of a Llama block
-MOE = ("qwen2_moe", "deepseek_v2", "deepseek_v3", "olmoe", "dbrx", "granitemoe", "phimoe",
-       "jamba", "llama4", "gpt_oss")
+MOE = ("qwen2_moe", "olmoe", "dbrx", "granitemoe", "phimoe", "jamba", "llama4", "gpt_oss")
 # the families whose experts are computed (moe.py): their config.json's experts are read
 WITH_EXPERTS = tuple(f.model_type for f in REGISTRY.values() if "n_experts" in f.varies)
-MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+MLA = ("kimi_k2",)
+# the families whose YaRN is computed and checked against their HF class (rope.py)
+YARN = ("deepseek_v3", "deepseek_v2")
+# the families whose latent attention is computed (mla.py)
+MLA_COMPUTED = tuple(f.model_type for f in REGISTRY.values() if "kv_lora_rank" in f.varies)
 SOFTCAP = ("gemma2",)
 # a family's text model is computed, not this one
 NOT_TEXT = {"gemma3": gemma3.WITH_VISION, "qwen3_5": qwen3_5_text.WITH_VISION}
@@ -147,6 +158,12 @@ def write_hf(c: Config) -> dict:
     return family.write(c, {"architectures": [family.model_class], **llama_hf(c)})
 
 
+def listed(labels) -> str:
+    """"A, B and C"."""
+    *rest, last = labels
+    return f"{', '.join(rest)} and {last}" if rest else last
+
+
 def refuse_unsupported(c: dict, where: str) -> None:
     """Settings that change what the model computes, which this forward pass does not implement:
     running such a checkpoint would print wrong logits as if they were right."""
@@ -155,15 +172,18 @@ def refuse_unsupported(c: dict, where: str) -> None:
                     if isinstance(c.get(k), int) and c[k] > 0), None)
     if (experts or family in MOE) and family not in WITH_EXPERTS:
         what = f"{experts}={c[experts]}" if experts else f"model_type {family!r}"
-        labels = " and ".join(REGISTRY[f].label for f in WITH_EXPERTS)
+        labels = listed(REGISTRY[f].label for f in WITH_EXPERTS)
         raise LlmTraceError(f"{where}: a mixture of experts ({what}: each token goes through a "
                             f"few of many MLPs) is implemented only as {labels} compute it, "
                             f"not for model_type {family!r}: {COMPUTED}")
     latent = next((k for k in ("kv_lora_rank", "q_lora_rank") if c.get(k)), None)
+    latent = None if family in MLA_COMPUTED else latent
     if latent or family in MLA:
         what = f"{latent}={c[latent]}" if latent else f"model_type {family!r}"
+        labels = listed(REGISTRY[f].label for f in MLA_COMPUTED)
         raise LlmTraceError(f"{where}: multi-head latent attention ({what}: K and V rebuilt "
-                            f"from a small latent) is not implemented: {COMPUTED}")
+                            f"from a small latent) is implemented for {labels} only: "
+                            f"{COMPUTED}")
     capped = next((k for k in ("attn_logit_softcapping", "final_logit_softcapping")
                    if c.get(k)), None)
     if capped or family in SOFTCAP:
@@ -171,9 +191,14 @@ def refuse_unsupported(c: dict, where: str) -> None:
         raise LlmTraceError(f"{where}: attention logit soft-capping ({what}: scores squashed "
                             f"by tanh) is not implemented: {COMPUTED}")
     kind, _ = rope_kind(c)
-    if kind not in ("default", "llama3"):
+    if kind not in ("default", "llama3", "yarn"):
         raise LlmTraceError(f"{where}: rope_scaling of type {kind!r} (RoPE stretched for long "
-                            f"contexts) is not implemented, only Llama 3's 'llama3': {COMPUTED}")
+                            f"contexts) is not implemented, only Llama 3's 'llama3' and "
+                            f"'yarn': {COMPUTED}")
+    if kind == "yarn" and family not in YARN:
+        raise LlmTraceError(f"{where}: rope_scaling of type 'yarn' (RoPE stretched for long "
+                            f"contexts) is implemented for "
+                            f"{listed(REGISTRY[f].label for f in YARN)} only: {COMPUTED}")
     rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
     partial = family in NOT_TEXT or family in REGISTRY and \
         "partial_rotary_factor" in REGISTRY[family].varies  # (a text model: said by family_of)
