@@ -23,8 +23,10 @@ def state_dict(tiny):
 
 def test_one_table_names_every_weight():
     # and a mixture of experts' layer holds its MoeWeights, named by moe_hf_names; latent
-    # attention's layer its MlaWeights, named by MLA_TENSORS
-    assert [*LAYER_TENSORS, "moe", "mla"] == [f.name for f in dataclasses.fields(LayerWeights)]
+    # attention's layer its MlaWeights, named by MLA_TENSORS; a Gated DeltaNet layer its
+    # DeltaNetWeights, named by names.linear_shapes
+    assert [*LAYER_TENSORS, "moe", "mla", "linear"] == [f.name for f in
+                                                        dataclasses.fields(LayerWeights)]
     assert {f.split(".")[1] for f in MLA_TENSORS} == {f.name for f in dataclasses.fields(
         MlaWeights)}
     assert set(MODEL_TENSORS) == {f.name for f in dataclasses.fields(Weights)} - {"layers"}

@@ -368,6 +368,10 @@ def dla_own_rms(acts, weights, c, layer, head, clean, corrupt):
     return _dla_variant("own_rms")(acts, weights, c, layer, head, clean, corrupt)
 
 
+def delta_rule_without_fade(S, q, k, v, g, beta):
+    return solution("delta_rule_step")(S, q, k, v, torch.zeros_like(g), beta)
+
+
 INF = float("-inf")
 WRONG = {
     "count_parameters": [(llama_only_count, "qk_norm")],
@@ -404,6 +408,7 @@ WRONG = {
     "sliding_window_mask": [(window_sees_one_more, "off by one")],
     "sink_share": [(lambda scores, sinks: 1 - torch.softmax(scores, -1).sum(-1),
                     "one more column")],
+    "delta_rule_step": [(delta_rule_without_fade, "the state fades first")],
     "choose_experts": [(lambda logits, k: torch.topk(torch.softmax(logits, -1), k, -1)[::-1],
                         "renormalize")],
     "layers_without_rope": [(lambda acts, n: [i for i in range(n) if not torch.equal(

@@ -19,7 +19,10 @@ NOT_EXERCISED = {**{f: "no norm before a sublayer, and the exercises read attn_n
                  **{f: "a mixture of experts: the exercises build the dense SwiGLU MLP"
                     for f in ("mixtral", "qwen3_moe", "qwen3_moe_sparse", "gpt_oss")},
                  **{f: "latent attention: the exercises build K and V by GQA's projections"
-                    for f in ("deepseek_v3", "deepseek_v2")}}
+                    for f in ("deepseek_v3", "deepseek_v2")},
+                 **{f: "layer 0 is a Gated DeltaNet layer, and the exercises read attention's "
+                       "records (delta_rule_step reads its own)" for f in ("qwen3_next",
+                                                                         "qwen3_5_text")}}
 FAMILIES = [f for f in ROWS if f not in NOT_EXERCISED]
 
 

@@ -90,7 +90,8 @@ def test_trace_names_show_the_family(family, tiny):
     names, llama = layer_0(trace), layer_0(tiny.run(ids, keep_values=False)[1])
     assert names - llama == ROWS[f].records and llama - names == ROWS[f].lacks
     # Llama 3 adds no record: its RoPE says what turns it
-    assert ("llama3-scaled" in trace.get("layers.0.attn.rope_q").op) == (f == "llama3")
+    rope_q = next(r for r in trace if r.name.endswith(".attn.rope_q"))  # Qwen3-Next: layer 3
+    assert ("llama3-scaled" in rope_q.op) == (f == "llama3")
 
 
 def test_trace_bytes_count_the_family(family):
@@ -104,7 +105,8 @@ def test_trace_bytes_count_the_family(family):
 def test_llama3_frequencies_match_hf(family):
     f, model, hf, _ = family
     c = model.config
-    ours = rope_frequencies(c.head_dim, c.rope_theta, scaling=c.rope_scaling)  # [hd/2]
+    ours = rope_frequencies(c.rotary_dim or c.head_dim, c.rope_theta,
+                            scaling=c.rope_scaling)  # [hd/2] (Qwen3-Next: [rotary_dim/2])
     rotary = hf.model.rotary_emb  # Gemma 3: one set of frequencies per kind of layer
     theirs = getattr(rotary, "inv_freq", None)
     assert torch.allclose(ours, rotary.full_attention_inv_freq if theirs is None else theirs,
@@ -170,7 +172,10 @@ def make_config_json(f: str) -> dict:
 def test_meta_model_of_each_family_has_its_tensors():
     for f in NEW:
         c = Config.from_hf(make_config_json(f), name=f)
-        lw = meta_model(c).weights.layers[0]
+        layers = meta_model(c).weights.layers
+        full = next(i for i in range(c.n_layers) if not c.is_linear(i))  # Qwen3-Next: 3
+        lw = layers[full]
+        assert (layers[0].linear is not None) == c.is_linear(0) and lw.linear is None
         assert (lw.q_bias is not None) == c.qkv_bias
         assert (lw.q_norm is not None) == (c.qk_norm or c.qk_proj_norm)
         assert (lw.attn_norm is not None) == c.pre_norm

@@ -21,11 +21,17 @@ def recorded_names() -> set[str]:
     return names | set(step.names)
 
 
-def glossary_names(known: set[str]) -> list[str]:
-    """The names in the first column of the glossary's table. A short name after the first one
-    (`k_proj` after `layers.N.attn.q_proj`) completes with a prefix of the first."""
-    names = []
-    for line in GLOSSARY.read_text().splitlines():
+def glossary_names(known: set[str], section: str | None = None) -> list[str]:
+    """The names in the first column of the glossary's tables (None: the walk's and
+    DeepSeek-V3's, before Qwen3-Next's; else the table under the heading `section`). A short
+    name after the first one (`k_proj` after `layers.N.attn.q_proj`) completes with a prefix
+    of the first."""
+    names, text = [], GLOSSARY.read_text()
+    if section is None:
+        text = text.split("\n## Qwen3-Next's records")[0]
+    else:
+        text = text.split(f"\n### {section}")[1].split("\n#")[0]
+    for line in text.splitlines():
         if not line.startswith("| `"):
             continue
         first, *short = re.findall(r"`([^`]+)`", line.split("|")[1])
@@ -43,3 +49,19 @@ def test_glossary_lists_every_recorded_name():
     assert len(listed) == len(set(listed))  # each name once
     assert set(listed) - known == set()  # nothing the trace does not record
     assert known - set(listed) == set()  # nothing the trace records left out
+
+
+def test_glossary_lists_qwen3_next_records():
+    """Qwen3-Next's table: every name its preset's trace records beyond TinyLlama's walk, each
+    shape as the table gives it."""
+    prefill, decode = trace_shapes("qwen3-next-80b-a3b", 6, 1)
+    names = {re.sub(r"^layers\.\d+\.", "layers.N.", n) for n in prefill.names + decode.names}
+    own = names - recorded_names()
+    moe = {n for n in own if n.startswith("layers.N.mlp.") and not n.startswith(
+        ("layers.N.mlp.shared", "layers.N.mlp.routed"))}  # the experts' records
+    listed = glossary_names(names, "Qwen3-Next")
+    assert len(listed) == len(set(listed))
+    assert set(listed) == own - moe
+    table = GLOSSARY.read_text().split("### Qwen3-Next")[1]
+    assert f"`{list(prefill.shape('layers.0.attn.state'))}`" in table
+    assert f"`{list(prefill.shape('layers.0.attn.qkvz'))}`" in table

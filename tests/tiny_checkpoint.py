@@ -50,6 +50,9 @@ QK_NORM = frozenset({"attn.q_norm.mean_sq", "attn.q_norm", "attn.k_norm.mean_sq"
 MOE = frozenset({"mlp.router", "mlp.router_probs", "mlp.experts_chosen", "mlp.expert_weights",
                  "mlp.expert_out", "mlp.out"})
 DENSE_MLP = frozenset({"mlp.gate", "mlp.up", "mlp.act", "mlp.gated", "mlp.down"})
+# Qwen3-Next's shared expert beside the routed ones, and its sigmoid gate
+SHARED = frozenset({"mlp.routed", "mlp.shared_gate", "mlp.shared_gated",
+                    *(f"mlp.shared.{n}" for n in ("gate", "up", "act", "gated", "down"))})
 QWEN3_MOE = {**SHARP, "head_dim": 24, "num_experts": 4, "num_experts_per_tok": 2,
              "moe_intermediate_size": 48}
 GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0,
@@ -108,6 +111,27 @@ ROWS = {
                                     "mlp_post_norm.mean_sq", "mlp_post_norm"},
                  lacks=frozenset({"attn_norm.mean_sq", "attn_norm", "mlp_norm.mean_sq",
                                   "mlp_norm"})),
+    # three Gated DeltaNet layers, then a full one with an output gate and RoPE on 4 of its 16
+    # dims; layer 0 (the one the names test reads) is a DeltaNet layer
+    "qwen3_next": Row(
+        "Qwen3NextConfig", "Qwen3NextForCausalLM",
+        {**SHARP, "num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2,
+         "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+         "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+         "mlp_only_layers": [2],  # layer 2 dense: the experts' rule as HF's
+         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.25}},
+        off=({"norm_offset": False}, {"partial_rotary_factor": 1.0}, {"qk_norm": False},
+             {"moe_renormalize": False}),
+        records=MOE | SHARED | frozenset({f"attn.{n}" for n in (
+            "qkvz", "ba", "conv", "conv_state", "z", "g", "beta", "core", "state",
+            "core_norm.mean_sq", "core_norm", "gated_norm")}),
+        lacks=frozenset({f"attn.{n}" for n in (
+            "q_proj", "k_proj", "v_proj", "rope_q", "rope_k", "kv_cache.k", "kv_cache.v",
+            "k_expanded", "v_expanded", "scores", "causal_mask", "masked_scores", "weights",
+            "weighted_sum", "merged")}) | DENSE_MLP,
+        norms=(-0.5, 0.5)),  # (1 + w) norms start at 0 in HF; the gated norm's gain too
     # a mixture of experts: 4 experts, 2 chosen per position, in every layer; a window of 4
     "mixtral": Row("MixtralConfig", "MixtralForCausalLM",
                    {**SHARP, "sliding_window": 4, "num_local_experts": 4,
@@ -179,6 +203,13 @@ ROWS = {
                        "attn.scores_with_sink", "attn.weights_with_sink"},
                    lacks=DENSE_MLP),
 }
+# Qwen3.5's text model: the same layers, DeltaNet's projections stored apart, a dense MLP
+ROWS["qwen3_5_text"] = Row(
+    "Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+    {k: v for k, v in ROWS["qwen3_next"].config.items() if "expert" not in k
+     and k != "mlp_only_layers"},
+    off=ROWS["qwen3_next"].off[:3], records=ROWS["qwen3_next"].records - MOE - SHARED,
+    lacks=ROWS["qwen3_next"].lacks - DENSE_MLP, norms=ROWS["qwen3_next"].norms)
 
 
 def hf_config(family: str, **overrides):

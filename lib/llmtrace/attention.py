@@ -66,13 +66,14 @@ class Positions:
                                 f"of {config.max_positions}: shorten the prompt or "
                                 f"generate fewer tokens")
         positions = torch.arange(start, start + T, device=device)  # [T]
-        cos, sin = rope_cos_sin(positions, config.head_dim, config.rope_theta,
-                                config.rope_scaling)  # [T, hd] each
+        turned = config.rotary_dim  # Qwen3-Next: RoPE on part of each head; None: all
+        cos, sin = rope_cos_sin(positions, turned or config.head_dim, config.rope_theta,
+                                config.rope_scaling)  # [T, hd] each ([T, turned])
         S, W = start + T, config.sliding_window
         causal = causal_mask(T, S, start, device)
         window = window_mask(T, S, start, W, device) if W else None
-        if not config.layer_types:  # every layer alike (Mistral: all slide)
-            return cls(start, cos, sin, causal, window)
+        if not config.layer_types or "linear" in config.layer_types:  # attention layers alike
+            return cls(start, cos, sin, causal, window, rotary_dim=turned)  # (Qwen3-Next: full)
         # Gemma 3, OLMo 3: full layers see every earlier key; sliding layers the window
         local = config.rope_local_theta or config.rope_theta
         local_cos, local_sin = cos, sin  # gpt-oss: both kinds turn by the same (YaRN) RoPE

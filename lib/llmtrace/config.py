@@ -18,6 +18,7 @@ from .errors import LlmTraceError
 INT_FIELDS = {"vocab_size": 1, "hidden_size": 1, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1,
               "ffn_size": 1, "max_positions": 1, "head_dim": 0, "bos_id": 0, "eos_id": 0,
               "sliding_window": 0, "n_experts": 0, "n_experts_active": 0, "moe_ffn_size": 0,
+              "shared_ffn_size": 0,
               "kv_lora_rank": 0, "q_lora_rank": 0, "qk_nope_head_dim": 0, "v_head_dim": 0,
               "n_shared_experts": 0, "moe_groups": 1, "moe_groups_chosen": 1}
 OPTIONAL_IDS = ("bos_id", "eos_id")  # None: the model has none
@@ -60,14 +61,31 @@ def config_problems(v: dict, key=str) -> list[str]:
         problems.append("pre_norm=False without sandwich_norm: a block with no norm is no "
                         "model computed here; OLMo 2 sets sandwich_norm=True")
     types = v["layer_types"]
-    if not isinstance(types, tuple) or any(t not in ("full", "sliding") for t in types):
-        problems.append(f"{key('layer_types')}={types!r} must be a tuple of 'full' or 'sliding'")
+    if not isinstance(types, tuple) or any(t not in LAYER_KINDS for t in types):
+        problems.append(f"{key('layer_types')}={types!r} must be a tuple of "
+                        f"{', '.join(map(repr, LAYER_KINDS))}")
     elif types and len(types) != v["n_layers"]:
         problems.append(f"{key('layer_types')} names {len(types)} layers, "
                         f"{key('n_layers')}={v['n_layers']}")
     elif "sliding" in types and not v["sliding_window"]:
         problems.append(f"{key('layer_types')} has sliding layers but {key('sliding_window')}="
                         f"{v['sliding_window']}: give its width")
+    elif "linear" in types and not v["linear_attn"]:
+        problems.append(f"{key('layer_types')} has linear layers but no linear_attn "
+                        f"(key heads, value heads, key and value head sizes, conv kernel)")
+    linear = v["linear_attn"]
+    if linear and (not isinstance(linear, tuple) or len(linear) != 5 or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in linear)):
+        problems.append(f"linear_attn={linear!r} must be 5 positive integers (key heads, "
+                        f"value heads, key and value head sizes, conv kernel)")
+    elif linear and (linear[1] % linear[0] or linear[4] < 2):
+        problems.append(f"linear_attn={linear!r}: value heads must be a multiple of key heads "
+                        f"and the conv kernel 2 or more")
+    factor = v["partial_rotary_factor"]
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        problems.append(f"{key('partial_rotary_factor')}={factor!r} must be a number in (0, 1]")
+    if v["attn_output_gate"] is not True and v["attn_output_gate"] is not False:
+        problems.append(f"attn_output_gate={v['attn_output_gate']!r} must be True or False")
     problems += moe_problems(v, key)
     flags = v["no_rope_layers"]
     if not isinstance(flags, tuple) or any(f not in (0, 1) or isinstance(f, bool) for f in flags):
@@ -110,6 +128,9 @@ def moe_problems(v: dict, key=str) -> list[str]:
     if E and not 1 <= k <= E:
         problems.append(f"{key('n_experts_active')}={k} must lie in 1 .. "
                         f"{key('n_experts')}={E}: each position goes to k of the E experts")
+    if v["shared_ffn_size"] and not E:
+        problems.append(f"{key('shared_ffn_size')}={v['shared_ffn_size']} with "
+                        f"{key('n_experts')}=0: a shared expert sits beside routed ones")
     if E and Fm < 1:
         problems.append(f"{key('moe_ffn_size')}={Fm} must be at least 1: an expert's width")
     from .moe import ROUTERS
@@ -170,6 +191,10 @@ def shape_problems(v: dict, key=str) -> list[str]:
                         f"smaller than 2 x {key('n_heads')}={v['n_heads']}")
     elif head_dim % 2:
         problems.append(f"{key('head_dim')}={head_dim} is odd, RoPE rotates pairs")
+    elif int(head_dim * v["partial_rotary_factor"]) % 2:
+        problems.append(f"{key('partial_rotary_factor')}={v['partial_rotary_factor']} turns "
+                        f"{int(head_dim * v['partial_rotary_factor'])} of {head_dim} dims: "
+                        f"RoPE rotates pairs")
     for field in OPTIONAL_IDS:
         if v[field] is not None and v[field] >= v["vocab_size"]:
             problems.append(f"{key(field)}={v[field]} is not below "
@@ -221,6 +246,10 @@ class Config:
     attn_scale: float = 0.0  # scores = q @ k^T * attn_scale; 0 means 1 / sqrt(head_dim)
     layer_types: tuple = ()  # per layer "full" or "sliding"; () = every layer alike
     rope_local_theta: float = 0.0  # RoPE base of the sliding layers; 0 means rope_theta
+    # Qwen3-Next's differences (layer_types also names "linear" layers: Gated DeltaNet)
+    attn_output_gate: bool = False  # W_q gives each head a gate: out * sigmoid(gate)
+    partial_rotary_factor: float = 1.0  # RoPE turns this share of each head's dims
+    linear_attn: tuple = ()  # DeltaNet layers' (key heads, value heads, dk, dv, conv kernel)
     # A mixture of experts (Mixtral, Qwen3-MoE): the MLP is E expert MLPs, a router sends each
     # position to k of them (moe.py); 0 experts is a dense model
     n_experts: int = 0  # E
@@ -237,6 +266,7 @@ class Config:
     # weights sum below 1), and a bias on the output projection (o_proj) beside Q, K and V's
     attn_sinks: bool = False
     o_bias: bool = False
+    shared_ffn_size: int = 0  # Qwen3-Next: one shared expert this wide, scaled by a sigmoid gate
     # SmolLM3: per layer 1 (RoPE) or 0 (no RoPE: NoPE), HF's no_rope_layers; () = RoPE everywhere
     no_rope_layers: tuple = ()
     # DeepSeek's multi-head latent attention (`mla`): K and V rebuilt from a cached latent of
@@ -295,6 +325,22 @@ class Config:
             return self.layer_types[layer] == "sliding"
         return self.sliding_window > 0
 
+    @property
+    def rotary_dim(self) -> int | None:
+        """How many of each head's dims RoPE turns, if not all (Qwen3-Next: a quarter)."""
+        turned = int(self.head_dim * self.partial_rotary_factor)
+        return turned if turned < self.head_dim else None
+
+    def is_linear(self, layer: int) -> bool:
+        """Is this a Gated DeltaNet layer (Qwen3-Next), a fixed state in place of a KV cache?"""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear"
+
+    @property
+    def deltanet_dims(self):
+        """The DeltaNet layers' sizes (`deltanet.DeltaNetDims`), or None if there are none."""
+        from .deltanet import DeltaNetDims
+
+        return DeltaNetDims(*self.linear_attn, self.norm_eps) if self.linear_attn else None
     def is_moe(self, layer: int) -> bool:
         """Is this layer's MLP a mixture of experts? Qwen3-MoE may leave some layers dense
         (`mlp_types`); without it, every layer is MoE when the model has experts."""
@@ -350,6 +396,7 @@ class Config:
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 LLAMA3_KEYS = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
 MLP_ACTS = ("silu", "gelu_tanh", "gpt_oss")  # gpt_oss: experts only
+LAYER_KINDS = ("full", "sliding", "linear")
 MLP_TYPES = ("dense", "moe")
 
 
@@ -421,6 +468,19 @@ PRESETS: dict[str, dict] = {
                           rope_theta=1_000_000.0, norm_eps=1e-6, bos_id=151643, eos_id=151645,
                           head_dim=128, family="qwen3_moe", qk_norm=True, n_experts=128,
                           n_experts_active=8, moe_ffn_size=768, moe_renormalize=True),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (its model card: 48 layers as 12 x (3 Gated
+    # DeltaNet, 1 gated attention), 16 Q / 2 KV heads of 256 with RoPE on 64 dims, DeltaNet 16 QK /
+    # 32 V heads of 128, 512 experts of width 512 with 10 routed + 1 shared; rope_theta 1e7,
+    # 262,144 positions, intermediate_size 5120 (no layer dense), norm_topk_prob, untied)
+    "qwen3-next-80b-a3b": dict(vocab_size=151936, hidden_size=2048, n_layers=48, n_heads=16,
+                               n_kv_heads=2, ffn_size=5120, max_positions=262144,
+                               rope_theta=10_000_000.0, norm_eps=1e-6, bos_id=151643,
+                               eos_id=151645, head_dim=256, family="qwen3_next", qk_norm=True,
+                               norm_offset=True, attn_output_gate=True,
+                               partial_rotary_factor=0.25, linear_attn=(16, 32, 128, 128, 4),
+                               layer_types=("linear", "linear", "linear", "full") * 12,
+                               n_experts=512, n_experts_active=10, moe_ffn_size=512,
+                               shared_ffn_size=512),
     # allenai/Olmo-3-1025-7B config.json: OLMo 2's block, three sliding layers (window 4096) to
     # one full; <|endoftext|> 100257 ends, no BOS. Its full layers' YaRN (factor 8 over 8192
     # positions) is not computed (refused by key in a config.json): shapes only here

@@ -13,6 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .config import Config
+from .deltanet import state_bytes
 from .weights.names import MODEL_TENSORS, layers_holding, tensor_shapes
 
 
@@ -144,6 +145,8 @@ def decode_bytes(c: Config, context: int, batch: int = 1,
 def layer_cache_values(c: Config, layer: int, context: int, capped: bool = True) -> int:
     """The numbers one layer's cache must hold after `context` positions, per sequence: one
     branch per kind of layer, so that a new kind of cache is one more branch."""
+    if c.is_linear(layer):  # Gated DeltaNet (Qwen3-Next): its state, the same at any context
+        return state_bytes(c.deltanet_dims, bytes_per_value=1)
     if c.kv_lora_rank:  # latent attention: the latent and the rotated key part (mla.py)
         return context * (c.kv_lora_rank + c.head_dim)
     if capped and c.is_sliding(layer):  # a query sees only the last sliding_window keys

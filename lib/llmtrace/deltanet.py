@@ -287,6 +287,36 @@ def grouped_to_flat(w: torch.Tensor, n_groups: int, sizes: list[int]) -> torch.T
     return torch.cat([p.reshape(-1, w.shape[-1]) for p in parts])  # [rows, D]
 
 
+def flat_to_grouped(w: torch.Tensor, n_groups: int, sizes: list[int]) -> torch.Tensor:
+    """The inverse of `grouped_to_flat`: part 0 of every group, then part 1, ... ->
+    each group's parts side by side, as Qwen3-Next stores them."""
+    parts = w.split([n_groups * s for s in sizes])  # each [groups * size, D]
+    per = [p.reshape(n_groups, -1, w.shape[-1]) for p in parts]  # each [groups, size, D]
+    return torch.cat(per, dim=1).reshape(-1, w.shape[-1])  # [rows, D]
+
+
+def hf_deltanet_state_dict(w: DeltaNetWeights, prefix: str, dims: DeltaNetDims,
+                           model_type: str = "qwen3_next") -> dict[str, torch.Tensor]:
+    """One layer's tensors under the names `hf_deltanet_weights` reads, as HF stores them."""
+    p, d = f"{prefix}.linear_attn", dims.check()
+    r = d.n_v_heads // d.n_k_heads
+    if model_type == "qwen3_next":
+        sizes = [d.k_head_dim, d.k_head_dim, r * d.v_head_dim, r * d.v_head_dim]
+        proj = {"in_proj_qkvz": flat_to_grouped(w.qkvz, d.n_k_heads, sizes),
+                "in_proj_ba": flat_to_grouped(w.ba, d.n_k_heads, [r, r])}
+    elif model_type == "qwen3_5_text":
+        qkv, z = w.qkvz.split([d.conv_dim, d.value_dim])
+        b, a = w.ba.split([d.n_v_heads, d.n_v_heads])
+        proj = {"in_proj_qkv": qkv, "in_proj_z": z, "in_proj_b": b, "in_proj_a": a}
+    else:
+        raise LlmTraceError(f"no Gated DeltaNet weight names for model_type "
+                            f"{model_type!r}: known are qwen3_next, qwen3_5_text")
+    return {**{f"{p}.{n}.weight": t for n, t in proj.items()},
+            f"{p}.conv1d.weight": w.conv[:, None],  # [C, K] -> [C, 1, K]
+            f"{p}.A_log": w.A_log, f"{p}.dt_bias": w.dt_bias,
+            f"{p}.norm.weight": w.norm, f"{p}.out_proj.weight": w.out_proj}
+
+
 def hf_deltanet_weights(get, prefix: str, dims: DeltaNetDims,
                         model_type: str = "qwen3_next") -> DeltaNetWeights:
     """One layer's DeltaNetWeights from the names `save_pretrained` writes:

@@ -17,22 +17,25 @@ import torch.nn.functional as F
 from .attention import Positions, attention
 from .check import check_ids
 from .config import Config
+from .deltanet import (DeltaNetState, DeltaNetWeights, gated_deltanet, hf_deltanet_state_dict,
+                       hf_deltanet_weights)
 from .embed import embed
 from .errors import LlmTraceError
 from .kv_cache import KVCache
 from .mla import LatentCache, MlaDims, MlaWeights, mla_attention
 from .memory import check_budget, keep_freed_memory_if_asked, needs_estimate
 from .mlp import swiglu
-from .moe import MoeWeights, hf_gpt_oss_tensors, hf_moe_weights, moe_mlp
+from .moe import MlpWeights, MoeWeights, hf_gpt_oss_tensors, hf_moe_weights, moe_mlp
 from .norm import rms_norm
 from .trace import NO_TRACE, Patched, Trace
-from .weights.names import (FUSED_EXPERTS, LAYER_TENSORS, MLA_TENSORS, MODEL_TENSORS,
+from .weights.names import (DENSE_MLP, FUSED_EXPERTS, LAYER_TENSORS, MLA_TENSORS, MODEL_TENSORS,
                             expected_shapes, hf_name, moe_hf_names, tensor_shapes)
 
 
 @dataclass(kw_only=True)
 class LayerWeights:
     attn_norm: torch.Tensor | None = None  # [D]   (None: no norm before a sublayer, OLMo 2)
+    # (None on a Gated DeltaNet layer, which has `linear` instead: Qwen3-Next)
     q_proj: torch.Tensor | None = None  # [H*hd, D]   (out, in), as F.linear takes it
     k_proj: torch.Tensor | None = None  # [KV*hd, D]   (None: latent attention's `mla`)
     v_proj: torch.Tensor | None = None  # [KV*hd, D]
@@ -52,6 +55,7 @@ class LayerWeights:
     o_bias: torch.Tensor | None = None  # [D]   o_bias (gpt-oss)
     moe: MoeWeights | None = None  # a mixture of experts in place of gate, up, down (Mixtral)
     mla: MlaWeights | None = None  # kv_lora_rank (DeepSeek): latent attention's weights
+    linear: DeltaNetWeights | None = None  # a Gated DeltaNet layer's (layer_types "linear")
 
 
 @dataclass
@@ -77,11 +81,18 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
     layers = [LayerWeights(**{f: sd[hf_name(f, i, c)] for f in LAYER_TENSORS
                               if hf_name(f, i, c) in expected
                               and not (c.kv_lora_rank and f in ("q_proj", "o_proj"))},
-                           mla=mla_weights(c, sd, i) if c.kv_lora_rank else None)
+                           mla=mla_weights(c, sd, i) if c.kv_lora_rank else None,
+                           linear=hf_deltanet_weights(sd.__getitem__, f"model.layers.{i}",
+                                                      c.deltanet_dims, c.family)
+                           if c.is_linear(i) else None)
               for i in range(c.n_layers)]
     for i, lw in enumerate(layers):
         if c.is_moe(i):  # the experts' matrices stacked, expert e's at [e]
             lw.moe = hf_moe_weights(sd.__getitem__, f"model.layers.{i}", c.family, c.n_experts)
+        if c.is_moe(i) and c.shared_ffn_size:  # Qwen3-Next: a gated shared expert
+            names = moe_hf_names(c, i)
+            lw.moe.shared = MlpWeights(*(sd[names[f"moe.shared.{f}"]] for f in DENSE_MLP))
+            lw.moe.shared_gate = sd[names["moe.shared_gate"]]
     embed = sd[hf_name("embed")]
     head = embed if c.tied_lm_head else sd[hf_name("lm_head")]
     return Weights(embed, layers, sd[hf_name("final_norm")], head)
@@ -105,6 +116,9 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
     for i, lw in enumerate(w.layers):
         sd.update({hf_name(f, i, c): getattr(lw, f) for f in LAYER_TENSORS
                    if getattr(lw, f) is not None})
+        if lw.linear is not None:  # Qwen3-Next: as HF stores a Gated DeltaNet layer
+            sd.update(hf_deltanet_state_dict(lw.linear, f"model.layers.{i}", c.deltanet_dims,
+                                             c.family))
         if lw.moe is not None and c.mlp_act == FUSED_EXPERTS:  # gpt-oss: fused, as on disk
             sd.update(hf_gpt_oss_tensors(lw.moe, f"model.layers.{i}"))
         elif lw.moe is not None:  # each expert's matrix under its own name
@@ -120,12 +134,17 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
 def attn_sublayer(h, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE,
                   name="layers.0") -> torch.Tensor:
     """What attention adds to the stream: attention of the normalized stream h [B, T, D];
-    sandwich_norm (Gemma): normalized once more before the add."""
+    sandwich_norm (Gemma): normalized once more before the add. A Gated DeltaNet layer
+    (Qwen3-Next) mixes the tokens through its state (`cache`) in place of attention."""
     if config.kv_lora_rank:  # DeepSeek: K and V rebuilt from a cached latent
         h = mla_attention(h, w.mla, mla_dims(config), pos, cache, trace,
                           f"{name}.attn")  # [B, T, D]
+    elif w.linear is not None:  # Qwen3-Next: a fixed state per head, no KV cache
+        h = gated_deltanet(h, w.linear, config.deltanet_dims, cache, trace,
+                           f"{name}.attn")  # [B, T, D]
     else:
-        h = attention(h, w, config, pos, cache, trace, f"{name}.attn")  # [B, T, D]
+        h = attention(h, w, config, pos, cache, trace, f"{name}.attn",
+                      config.attn_output_gate)  # [B, T, D]
     if config.sandwich_norm:
         h = rms_norm(h, w.post_attn_norm, config.norm_eps, trace,
                      f"{name}.attn_post_norm", config.norm_offset)  # [B, T, D]
@@ -198,13 +217,15 @@ class Model:
 
     def new_cache(self, max_len: int, batch: int = 1) -> list[KVCache]:
         """One `KVCache` per layer, for sequences up to max_len positions (latent attention:
-        one `LatentCache`, the latent and the rotated key part)."""
+        one `LatentCache`, the latent and the rotated key part); a Gated DeltaNet layer
+        (Qwen3-Next) gets its `DeltaNetState` instead, the same size at any length."""
         c, dtype = self.config, self.weights.embed.dtype
         if c.kv_lora_rank:
             return [LatentCache(max_len, c.kv_lora_rank, c.head_dim, batch, self.device, dtype)
                     for _ in range(c.n_layers)]
-        return [KVCache(max_len, c.n_kv_heads, c.head_dim, batch, self.device, dtype)
-                for _ in range(c.n_layers)]
+        return [DeltaNetState(c.deltanet_dims, batch, self.device, dtype) if c.is_linear(i)
+                else KVCache(max_len, c.n_kv_heads, c.head_dim, batch, self.device, dtype)
+                for i in range(c.n_layers)]
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, trace=NO_TRACE,

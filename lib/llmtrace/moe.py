@@ -68,6 +68,7 @@ class MoeWeights:
     down_bias: torch.Tensor | None = None  # [E, D]
     score_bias: torch.Tensor | None = None  # [E]  DeepSeek-V3's e_score_correction_bias
     shared: MlpWeights | None = None  # DeepSeek: the shared experts, one dense MLP
+    shared_gate: torch.Tensor | None = None  # [1, D] Qwen3-Next: sigmoid(x @ W^T) scales shared
 
 
 def route(logits, k: int, router: str = "softmax_topk", renormalize: bool = True,
@@ -213,6 +214,11 @@ def moe_mlp(x, w: MoeWeights, k: int, router: str = "softmax_topk",
     y = trace.record(f"{name}.routed", "sum_j expert_weights_j * expert_out_j", y,
                      B * T * k * D)  # [B, T, D]
     shared = swiglu(x, w.shared, trace, f"{name}.shared")  # [B, T, D]
+    if w.shared_gate is not None:  # Qwen3-Next: each position scales its shared expert
+        gate = trace.record(f"{name}.shared_gate", "sigmoid(x @ W_shared_gate^T)",
+                            torch.sigmoid(F.linear(x, w.shared_gate)), B * T * D)  # [B, T, 1]
+        shared = trace.record(f"{name}.shared_gated", "shared_gate * shared.down",
+                              gate * shared)  # [B, T, D]
     return trace.record(f"{name}.out", "routed + shared.down", y + shared)  # [B, T, D]
 
 
@@ -227,6 +233,7 @@ def moe_params(w: MoeWeights, k: int) -> tuple[int, int]:
     # learned by gradient (HF counts no parameter for it)
     shared = (0 if w.shared is None
               else sum(t.numel() for t in w.shared.__dict__.values()))
+    shared += 0 if w.shared_gate is None else w.shared_gate.numel()
     return router + experts + shared, router + experts // E * k + shared
 
 
@@ -302,6 +309,7 @@ def hf_deepseek_moe_weights(get, prefix: str, model_type: str,
 HF_EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
     "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "qwen3_next": ("mlp", "gate_proj", "up_proj", "down_proj"),  # and a gated shared expert
 }  # DeepSeek-V2/V3: Qwen3-MoE's names and shared experts (hf_deepseek_moe_weights)
 
 

@@ -1,13 +1,17 @@
 """Chapter 16: a sliding window's mask; a mixture of experts' router; the share of attention
-a sink takes."""
+a sink takes; the gated delta rule's step (Qwen3-Next)."""
 
 import dataclasses
+import math
 
 import torch
 
-from llmtrace.model import Model, Weights
+from llmtrace.attention import repeat_kv
+from llmtrace.config import Config
+from llmtrace.model import Model, Weights, weights_from_state_dict
 from llmtrace.moe import MoeWeights
 from llmtrace.trace import Trace
+from llmtrace.weights.names import expected_shapes
 
 from .registry import PROMPT, Case, caller, exercise
 from .verdicts import shape, tensor_compare, tuple_compare
@@ -273,3 +277,80 @@ def _(model) -> Case:
                      .sum(-1), "that is what the keys get: the sink's share is the rest"),
                     (lambda s, k: torch.sigmoid(k),
                      "the sink's logit competes with the scores: it enters their softmax")])
+
+
+def delta_rule_step(S, q, k, v, g, beta):
+    """One token through a Gated DeltaNet layer's state (Qwen3-Next), every value head at
+    once. S [B, H, dk, dv] the state before; q, k [B, H, dk] (q already scaled by
+    1/sqrt(dk)); v [B, H, dv]; g, beta [B, H]. The state first fades by exp(g), then takes
+    beta times the error between v and what it recalls for k (S^T k), written along k; the
+    output reads the new state with q. Returns (S after, the output [B, H, dv])."""
+    S = g.exp()[..., None, None] * S  # fade
+    error = v - torch.einsum("bhkv,bhk->bhv", S, k)  # v minus what S recalls for k
+    S = S + beta[..., None, None] * k[..., :, None] * error[..., None, :]  # + beta k error^T
+    return S, torch.einsum("bhkv,bhk->bhv", S, q)  # read with q: S^T q
+
+
+def tiny_qwen3_next(seed: int = 0) -> Model:
+    """A Qwen3-Next of 4 layers (3 Gated DeltaNet, 1 full) with seeded random weights, made by
+    the library from a Config: what `delta_rule_step` is checked on when the running model has
+    no DeltaNet layer."""
+    c = Config("tiny-qwen3-next", vocab_size=64, hidden_size=32, n_layers=4, n_heads=2,
+               n_kv_heads=1, ffn_size=48, max_positions=64, head_dim=16, family="qwen3_next",
+               qk_norm=True, norm_offset=True, attn_output_gate=True,
+               partial_rotary_factor=0.25, linear_attn=(1, 2, 8, 12, 4),
+               layer_types=("linear", "linear", "linear", "full"))
+    g = torch.Generator().manual_seed(seed)
+    sd = {n: torch.randn(s, generator=g) * 0.3 for n, s in expected_shapes(c).items()}
+    return Model(c, weights_from_state_dict(c, sd, "random"))
+
+
+@exercise(16, delta_rule_step)
+def _(model) -> Case:
+    """The running model's first DeltaNet layer (a tiny Qwen3-Next's when it has none), a
+    decode step after the prompt: the state its prefill recorded (`attn.state`), the step's q,
+    k, v, g and beta records, and what the step recorded after: its state and its output."""
+    if not model.config.linear_attn:
+        model = tiny_qwen3_next()
+    c = model.config
+    d, layer = c.deltanet_dims, c.layer_types.index("linear")
+    ids = torch.randint(0, c.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
+    name = f"layers.{layer}.attn"
+    keep = [f"{name}.{r}" for r in ("state", "q", "k", "v", "g", "beta", "core")]
+    cache, prefill, step = model.new_cache(7), Trace(names=keep), Trace(names=keep)
+    model.forward(ids, prefill, cache)
+    model.forward(ids[:, -1:], step, cache, start=6)
+    r = d.n_v_heads // d.n_k_heads  # value heads per key head
+
+    def heads(t):  # [B, 1, Hk, dk] -> [B, Hv, dk]: each key head serves r value heads
+        return repeat_kv(t.transpose(1, 2), r)[:, :, 0]
+
+    S = prefill[f"{name}.state"]  # [B, Hv, dk, dv]
+    q = heads(step[f"{name}.q"]) / math.sqrt(d.k_head_dim)
+    k, v = heads(step[f"{name}.k"]), step[f"{name}.v"][:, 0]
+    g, beta = step[f"{name}.g"][:, 0], step[f"{name}.beta"][:, 0]  # [B, Hv]
+    want = (step[f"{name}.state"], step[f"{name}.core"][:, 0])
+
+    def no_fade(S, q, k, v, g, beta):
+        return delta_rule_step(S, q, k, v, torch.zeros_like(g), beta)
+
+    def read_first(S, q, k, v, g, beta):  # the output read from the faded state, unwritten
+        return delta_rule_step(S, q, k, v, g, beta)[0], torch.einsum(
+            "bhkv,bhk->bhv", g.exp()[..., None, None] * S, q)
+
+    def plain_write(S, q, k, v, g, beta):  # linear attention's S + k v^T: no error term
+        S = g.exp()[..., None, None] * S + beta[..., None, None] * k[..., :, None] \
+            * v[..., None, :]
+        return S, torch.einsum("bhkv,bhk->bhv", S, q)
+
+    def no_beta(S, q, k, v, g, beta):
+        return delta_rule_step(S, q, k, v, g, torch.ones_like(beta))
+
+    return Case(caller(S, q, k, v, g, beta), want,
+                f"state {shape(want[0])}, output {shape(want[1])}",
+                tuple_compare(("state after", "output"), 1e-5), [
+                    (no_fade, "the state fades first: multiply S by exp(g) before reading it"),
+                    (read_first, "the output reads the state after this token's write"),
+                    (plain_write, "the delta rule writes the error v - S^T k (after the "
+                                  "fade), not v itself"),
+                    (no_beta, "the write is scaled by beta, how much the token takes")])

@@ -58,6 +58,7 @@ from . import qwen2, qwen3, smollm3  # noqa: E402
 from . import mixtral, qwen3_moe  # noqa: E402  (mixtures of experts)
 from . import deepseek_v2, deepseek_v3  # noqa: E402  (latent attention)
 from . import gpt_oss  # noqa: E402  (sinks, experts with biases)
+from . import qwen3_5_text, qwen3_next  # noqa: E402  (Gated DeltaNet layers)
 
 # model_type -> its entry: one line per family
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (
@@ -74,6 +75,8 @@ REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     deepseek_v3.FAMILY,
     deepseek_v2.FAMILY,
     gpt_oss.FAMILY,
+    qwen3_next.FAMILY,
+    qwen3_5_text.FAMILY,
 )}
 # the fields of Config that only some families set; a family sets each to its default, to the
 # value in its `switches`, or (in `varies`) to what its config.json says
@@ -83,7 +86,8 @@ SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "norm_offse
             "moe_renormalize", "mlp_types", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
             "v_head_dim", "rope_interleave", "n_shared_experts", "moe_groups",
             "moe_groups_chosen", "moe_scaling", "no_rope_layers", "attn_sinks",
-            "o_bias", "swiglu_limit", "swiglu_alpha")
+            "o_bias", "swiglu_limit", "swiglu_alpha", "attn_output_gate",
+            "partial_rotary_factor", "linear_attn", "shared_ffn_size")
 COMPUTED = ("llmtrace computes Llama-family models "
             f"({', '.join(f.label for f in REGISTRY.values())})")
 # model_types refused by name, for what they compute instead of a Llama block
@@ -96,7 +100,8 @@ YARN = ("deepseek_v3", "deepseek_v2", "gpt_oss")
 # the families whose latent attention is computed (mla.py)
 MLA_COMPUTED = tuple(f.model_type for f in REGISTRY.values() if "kv_lora_rank" in f.varies)
 SOFTCAP = ("gemma2",)
-NOT_TEXT = {"gemma3": gemma3.WITH_VISION}  # a family's text model is computed, not this one
+# a family's text model is computed, not this one
+NOT_TEXT = {"gemma3": gemma3.WITH_VISION, "qwen3_5": qwen3_5_text.WITH_VISION}
 
 
 def family_of(model_type: str, where: str) -> Family:
@@ -198,8 +203,10 @@ def refuse_unsupported(c: dict, where: str) -> None:
                             f"contexts) is implemented for "
                             f"{listed(REGISTRY[f].label for f in YARN)} only: {COMPUTED}")
     rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
-    for label, params in (("partial_rotary_factor", c), ("rope_parameters.partial_rotary_factor",
-                                                         rope)):
+    partial = family in NOT_TEXT or family in REGISTRY and \
+        "partial_rotary_factor" in REGISTRY[family].varies  # (a text model: said by family_of)
+    for label, params in () if partial else (("partial_rotary_factor", c),
+                                             ("rope_parameters.partial_rotary_factor", rope)):
         if params.get("partial_rotary_factor", 1.0) not in (1, 1.0):
             raise LlmTraceError(f"{where}: {label}={params['partial_rotary_factor']!r} (RoPE on "
                                 f"part of each head) is not implemented: {COMPUTED}")

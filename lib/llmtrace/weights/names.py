@@ -50,6 +50,11 @@ MLA_TENSORS = {
 # With a norm after each sublayer, HF's "post_attention_layernorm" is that norm after attention,
 # and the norm before the MLP has a name of its own
 SANDWICH_HF_NAMES = {"mlp_norm": "pre_feedforward_layernorm.weight"}
+# A Gated DeltaNet layer (`layer_types` "linear", Qwen3-Next) has no self_attn tensors: its own,
+# after "model.layers.N.linear_attn.", are read by `deltanet.hf_deltanet_weights`
+ATTN_FIELDS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_bias", "k_bias", "v_bias", "q_norm",
+               "k_norm")
+LINEAR_PREFIX = "linear_attn."
 # A mixture of experts' layer holds `LayerWeights.moe` (moe.MoeWeights) in place of gate, up and
 # down: its tensors' shapes are named "moe.<MoeWeights field>", its HF names `moe_hf_names`
 DENSE_MLP = ("gate", "up", "down")
@@ -92,6 +97,9 @@ def moe_hf_names(c: Config, layer: int) -> dict[str, str | list[str]]:
     names: dict = {"moe.router": f"{p}.gate.weight"}
     for field, kind in zip(DENSE_MLP, kinds):
         names[f"moe.{field}"] = [f"{p}.experts.{e}.{kind}.weight" for e in range(c.n_experts)]
+    if c.shared_ffn_size:  # Qwen3-Next: one shared expert and its gate
+        names.update({f"moe.shared.{f}": f"{p}.shared_expert.{f}_proj.weight" for f in DENSE_MLP})
+        names["moe.shared_gate"] = f"{p}.shared_expert_gate.weight"
     if c.moe_router == "sigmoid_group":  # DeepSeek-V3's bias, for choosing only
         names["moe.score_bias"] = f"{p}.gate.e_score_correction_bias"
     if c.n_shared_experts:  # one dense MLP as wide as all the shared experts
@@ -119,6 +127,11 @@ def layers_holding(c: Config, field: str) -> int:
     moe = sum(c.is_moe(i) for i in range(c.n_layers))
     if field.startswith("moe."):
         return moe
+    linear = sum(c.is_linear(i) for i in range(c.n_layers))  # Qwen3-Next's DeltaNet layers
+    if field.startswith(LINEAR_PREFIX):
+        return linear
+    if field in ATTN_FIELDS:
+        return c.n_layers - linear
     return c.n_layers - moe if field in DENSE_MLP else c.n_layers
 
 
@@ -128,11 +141,13 @@ def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
     when its switch is on."""
     D, hd, V, F = c.hidden_size, c.head_dim, c.vocab_size, c.ffn_size
     shapes = {"embed": (V, D), "attn_norm": (D,)} if c.pre_norm else {"embed": (V, D)}
+    if c.linear_attn:  # Qwen3-Next: the DeltaNet layers' tensors
+        shapes.update(linear_shapes(c))
+    q_rows = 2 * c.n_heads * hd if c.attn_output_gate else c.n_heads * hd  # + a gate per head
     if c.kv_lora_rank:
         shapes.update(mla_shapes(c))
     else:
-        shapes.update(q_proj=(c.n_heads * hd, D), k_proj=(c.kv_size, D),
-                      v_proj=(c.kv_size, D))
+        shapes.update(q_proj=(q_rows, D), k_proj=(c.kv_size, D), v_proj=(c.kv_size, D))
     if c.qkv_bias:
         shapes.update(q_bias=(c.n_heads * hd,), k_bias=(c.kv_size,), v_bias=(c.kv_size,))
     if c.qk_proj_norm:  # OLMo 2: one weight over the whole projection
@@ -158,6 +173,10 @@ def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
         if c.mlp_act == FUSED_EXPERTS:  # gpt-oss: a bias on the router and on each matrix
             shapes.update({"moe.router_bias": (E,), "moe.gate_bias": (E, Fm),
                            "moe.up_bias": (E, Fm), "moe.down_bias": (E, D)})
+        if c.shared_ffn_size:  # Qwen3-Next: a shared expert, gated per position
+            Fs = c.shared_ffn_size
+            shapes.update({"moe.shared.gate": (Fs, D), "moe.shared.up": (Fs, D),
+                           "moe.shared.down": (D, Fs), "moe.shared_gate": (1, D)})
         if c.moe_router == "sigmoid_group":  # DeepSeek-V3: a bias for choosing only
             shapes["moe.score_bias"] = (E,)
         if c.n_shared_experts:  # DeepSeek: the shared experts, one dense MLP
@@ -170,6 +189,29 @@ def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
     if not c.tied_lm_head:
         shapes["lm_head"] = (V, D)
     return shapes
+
+
+def linear_shapes(c: Config) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors (`deltanet.DeltaNetWeights`) by their HF names."""
+    d, D = c.deltanet_dims, c.hidden_size
+    fused = {"in_proj_qkvz.weight": (2 * d.key_dim + 2 * d.value_dim, D),
+             "in_proj_ba.weight": (2 * d.n_v_heads, D)}  # Qwen3-Next, grouped per key head
+    apart = {"in_proj_qkv.weight": (d.conv_dim, D), "in_proj_z.weight": (d.value_dim, D),
+             "in_proj_b.weight": (d.n_v_heads, D), "in_proj_a.weight": (d.n_v_heads, D)}
+    projections = {"qwen3_5_text": apart}.get(c.family, fused)  # Qwen3.5 stores them apart
+    return {f"{LINEAR_PREFIX}{name}": shape for name, shape in {
+        "A_log": (d.n_v_heads,), "dt_bias": (d.n_v_heads,),
+        "conv1d.weight": (d.conv_dim, 1, d.conv_kernel), **projections,
+        "norm.weight": (d.v_head_dim,), "out_proj.weight": (D, d.value_dim)}.items()}
+
+
+def layer_fields(c: Config, layer: int, shapes: dict) -> list[str]:
+    """The fields of `shapes` (`tensor_shapes`) that this layer has: a DeltaNet layer has its
+    linear_attn tensors in place of attention's, a full layer the reverse."""
+    linear, moe = c.is_linear(layer), c.is_moe(layer)
+    own = [f for f in shapes if f.startswith(LINEAR_PREFIX)] if linear else []
+    return [f for f in {**LAYER_TENSORS, **MLA_TENSORS} if f in shapes
+            and not (moe and f in DENSE_MLP) and not (linear and f in ATTN_FIELDS)] + own
 
 
 def mla_shapes(c: Config) -> dict[str, tuple[int, ...]]:
@@ -189,8 +231,8 @@ def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
     out = {hf_name(f): shapes[f] for f in MODEL_TENSORS if f in shapes}
     for i in range(c.n_layers):
         moe = c.is_moe(i)
-        out.update({hf_name(f, i, c): shapes[f] for f in {**LAYER_TENSORS, **MLA_TENSORS}
-                    if f in shapes and not (moe and f in DENSE_MLP)})
+        out.update({(f"model.layers.{i}.{f}" if f.startswith(LINEAR_PREFIX)
+                     else hf_name(f, i, c)): shapes[f] for f in layer_fields(c, i, shapes)})
         if moe and c.mlp_act == FUSED_EXPERTS:  # gpt-oss: every expert in one tensor
             out.update(fused_expert_shapes(c, i))
         elif moe:  # each expert's matrix under its own name
