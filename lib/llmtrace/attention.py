@@ -66,8 +66,15 @@ class Positions:
                                 f"of {config.max_positions}: shorten the prompt or "
                                 f"generate fewer tokens")
         positions = torch.arange(start, start + T, device=device)  # [T]
-        cos, sin = rope_cos_sin(positions, config.head_dim, config.rope_theta,
-                                config.rope_scaling)  # [T, hd] each
+        if config.global_head_dim or config.rope_partial != 1.0:  # Gemma 4's full layers
+            from .gemma4 import proportional_cos_sin
+
+            cos, sin = proportional_cos_sin(positions, config.global_head_dim or
+                                            config.head_dim, config.rope_theta,
+                                            config.rope_partial)  # [T, hd_full] each
+        else:
+            cos, sin = rope_cos_sin(positions, config.head_dim, config.rope_theta,
+                                    config.rope_scaling)  # [T, hd] each
         S, W = start + T, config.sliding_window
         causal = causal_mask(T, S, start, device)
         window = window_mask(T, S, start, W, device) if W else None

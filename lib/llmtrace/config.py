@@ -17,7 +17,8 @@ from .errors import LlmTraceError
 # the integer fields and their least value (head_dim 0 means hidden_size // n_heads)
 INT_FIELDS = {"vocab_size": 1, "hidden_size": 1, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1,
               "ffn_size": 1, "max_positions": 1, "head_dim": 0, "bos_id": 0, "eos_id": 0,
-              "sliding_window": 0}
+              "sliding_window": 0, "global_head_dim": 0, "global_kv_heads": 0,
+              "kv_shared_layers": 0, "ple_size": 0, "ple_vocab": 0}
 OPTIONAL_IDS = ("bos_id", "eos_id")  # None: the model has none
 
 
@@ -41,14 +42,15 @@ def config_problems(v: dict, key=str) -> list[str]:
             problems.append(f"{key(field)}={value!r} must be a finite number")
         elif value < 0 or (value == 0 and rule == "positive"):
             problems.append(f"{key(field)}={value:g} must be {rule}")
-    for field in ("attn_scale", "rope_local_theta"):
+    for field in ("attn_scale", "rope_local_theta", "final_softcap"):
         value = v[field]
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not math.isfinite(value) or value < 0:
             problems.append(f"{key(field)}={value!r} must be a finite number >= 0")
     if v["mlp_act"] not in MLP_ACTS:
         problems.append(f"mlp_act={v['mlp_act']!r} must be one of {', '.join(MLP_ACTS)}")
-    for field in ("qk_proj_norm", "pre_norm"):
+    for field in ("qk_proj_norm", "pre_norm", "k_eq_v", "double_wide_mlp", "v_norm",
+                  "layer_scalar"):
         if v[field] is not True and v[field] is not False:
             problems.append(f"{field}={v[field]!r} must be True or False")
     if v["qk_norm"] is True and v["qk_proj_norm"] is True:
@@ -66,11 +68,31 @@ def config_problems(v: dict, key=str) -> list[str]:
     elif "sliding" in types and not v["sliding_window"]:
         problems.append(f"{key('layer_types')} has sliding layers but {key('sliding_window')}="
                         f"{v['sliding_window']}: give its width")
+    problems += gemma4_problems(v, key)
     scaling = dict(v["rope_scaling"])
     if scaling and (scaling.get("rope_type") != "llama3" or set(LLAMA3_KEYS) - set(scaling)):
         problems.append(f"{key('rope_scaling')}={scaling} is not Llama 3's (rope_type 'llama3' "
                         f"and {', '.join(LLAMA3_KEYS)})")
     return problems or shape_problems(v, key)  # the rest divides by a head count
+
+
+def gemma4_problems(v: dict, key=str) -> list[str]:
+    """Gemma 4's fields: layers that read another's K, V need an earlier one of their kind."""
+    problems = []
+    n, shared = v["n_layers"], v["kv_shared_layers"]
+    if isinstance(shared, int) and isinstance(n, int) and shared and not shared < n:
+        problems.append(f"{key('kv_shared_layers')}={shared} must be below "
+                        f"{key('n_layers')}={n}: some layer must compute K and V")
+    if v["global_kv_heads"] and not v["k_eq_v"]:
+        problems.append(f"{key('global_kv_heads')}={v['global_kv_heads']} without "
+                        f"{key('k_eq_v')}: HF reads it only with attention_k_eq_v")
+    if v["ple_size"] and not v["ple_vocab"]:
+        problems.append(f"{key('ple_size')}={v['ple_size']} needs {key('ple_vocab')}: "
+                        f"the rows of the per-layer table")
+    rope = v["rope_partial"]
+    if isinstance(rope, bool) or not isinstance(rope, (int, float)) or not 0 <= rope <= 1:
+        problems.append(f"{key('rope_partial')}={rope!r} must be a fraction from 0 to 1")
+    return problems
 
 
 def shape_problems(v: dict, key=str) -> list[str]:
@@ -136,6 +158,18 @@ class Config:
     attn_scale: float = 0.0  # scores = q @ k^T * attn_scale; 0 means 1 / sqrt(head_dim)
     layer_types: tuple = ()  # per layer "full" or "sliding"; () = every layer alike
     rope_local_theta: float = 0.0  # RoPE base of the sliding layers; 0 means rope_theta
+    # Gemma 4's differences from Gemma 3 (gemma4.py); each default leaves a model as it was
+    global_head_dim: int = 0  # the full layers' head width; 0 means head_dim
+    global_kv_heads: int = 0  # the full layers' KV heads (with k_eq_v); 0 means n_kv_heads
+    k_eq_v: bool = False  # full layers: V is K's projection (no W_v)
+    kv_shared_layers: int = 0  # the last N layers read the K, V of an earlier layer
+    double_wide_mlp: bool = False  # those shared layers' MLP twice ffn_size wide
+    ple_size: int = 0  # per-layer inputs: P numbers per token and layer; 0: none
+    ple_vocab: int = 0  # rows of the per-layer table
+    rope_partial: float = 1.0  # full layers: the fraction of pairs RoPE turns (proportional)
+    v_norm: bool = False  # V normalized per head, with no weight
+    layer_scalar: bool = False  # each layer's output times a stored scalar
+    final_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # as HF writes it: keep it hashable, in order
@@ -168,6 +202,13 @@ class Config:
         if self.layer_types:
             return self.layer_types[layer] == "sliding"
         return self.sliding_window > 0
+
+    @property
+    def varied_layers(self) -> bool:
+        """Do the layers' attention and MLP differ in shape, or read each other's K, V
+        (Gemma 4: `gemma4.config_layer_shapes`)?"""
+        return bool(self.global_head_dim or self.global_kv_heads or self.k_eq_v
+                    or self.kv_shared_layers or self.double_wide_mlp or self.v_norm)
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)

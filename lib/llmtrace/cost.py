@@ -36,8 +36,24 @@ def parameter_table(c: Config) -> list[ParamRow]:
         per_layer = field in LAYER_TENSORS
         component = "embedding" if field == "embed" else field
         copies = c.n_layers if per_layer else 1
+        if per_layer and c.varied_layers:  # Gemma 4: one row per shape the layers have
+            rows += layer_rows(c, field)
+            continue
         rows.append(ParamRow(component, shape, math.prod(shape), copies, per_layer))
+    if c.varied_layers:  # a field layer 0 lacks (k_eq_v's v_proj on full layers only)
+        rows += [r for f in LAYER_TENSORS if f not in tensor_shapes(c)
+                 for r in layer_rows(c, f)]
     return rows
+
+
+def layer_rows(c: Config, field: str) -> list[ParamRow]:
+    """A layer tensor's rows when layers differ (Gemma 4): one per shape, copies counted."""
+    counts: dict[tuple, int] = {}
+    for i in range(c.n_layers):
+        shape = tensor_shapes(c, i).get(field)
+        if shape is not None:
+            counts[shape] = counts.get(shape, 0) + 1
+    return [ParamRow(field, shape, math.prod(shape), n, True) for shape, n in counts.items()]
 
 
 def parameter_count(c: Config) -> int:

@@ -77,7 +77,8 @@ def block_flow(config: Config) -> tuple[tuple[str, str], ...]:
     from .model import meta_model
 
     kinds = tuple(dict.fromkeys(config.layer_types))  # () when every layer is alike
-    one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds))
+    one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds,
+                                    kv_shared_layers=0))  # Gemma 4: layer 0 has its own K, V
     with _Flow() as flow:
         trace = _FlowTrace(flow)
         one.forward(torch.zeros(1, 2, dtype=torch.long), trace, one.new_cache(2))

@@ -18,6 +18,8 @@ from .check import check_ids
 from .config import Config
 from .embed import embed
 from .errors import LlmTraceError
+from .gemma4 import (PleWeights, config_layer_shapes, gemma4_attention, layer_scaled,
+                     per_layer_inputs, per_layer_residual, softcap)
 from .kv_cache import KVCache
 from .memory import check_budget, keep_freed_memory_if_asked, needs_estimate
 from .mlp import swiglu
@@ -30,8 +32,8 @@ from .weights.names import LAYER_TENSORS, MODEL_TENSORS, expected_shapes, hf_nam
 class LayerWeights:
     attn_norm: torch.Tensor | None = None  # [D]   (None: no norm before a sublayer, OLMo 2)
     q_proj: torch.Tensor  # [H*hd, D]   (out, in), as F.linear takes it
-    k_proj: torch.Tensor  # [KV*hd, D]
-    v_proj: torch.Tensor  # [KV*hd, D]
+    k_proj: torch.Tensor | None = None  # [KV*hd, D]   (None: Gemma 4's shared layers)
+    v_proj: torch.Tensor | None = None  # [KV*hd, D]   (and its full layers with k_eq_v)
     o_proj: torch.Tensor  # [D, H*hd]
     mlp_norm: torch.Tensor | None = None  # [D]
     gate: torch.Tensor  # [F, D]
@@ -44,6 +46,10 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None  # [hd]     ([KV*hd], OLMo 2)
     post_attn_norm: torch.Tensor | None = None  # [D]  (sandwich_norm: Gemma)
     post_mlp_norm: torch.Tensor | None = None  # [D]
+    ple_gate: torch.Tensor | None = None  # [P, D]   Gemma 4's per-layer input (ple_size)
+    ple_proj: torch.Tensor | None = None  # [D, P]
+    ple_norm: torch.Tensor | None = None  # [D]
+    layer_scalar: torch.Tensor | None = None  # [1]
 
 
 @dataclass
@@ -52,6 +58,9 @@ class Weights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [D]
     lm_head: torch.Tensor  # [V, D]; the same tensor as `embed` when the head is tied
+    ple_table: torch.Tensor | None = None  # [V_ple, L*P]   Gemma 4's per-layer inputs
+    ple_model_proj: torch.Tensor | None = None  # [L*P, D]
+    ple_model_norm: torch.Tensor | None = None  # [P]
 
 
 def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
@@ -71,12 +80,15 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
               for i in range(c.n_layers)]
     embed = sd[hf_name("embed")]
     head = embed if c.tied_lm_head else sd[hf_name("lm_head")]
-    return Weights(embed, layers, sd[hf_name("final_norm")], head)
+    extra = {f: sd[hf_name(f)] for f in ("ple_table", "ple_model_proj", "ple_model_norm")
+             if hf_name(f) in expected}
+    return Weights(embed, layers, sd[hf_name("final_norm")], head, **extra)
 
 
 def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
     """The inverse, in HF naming (used to write HF checkpoints)."""
-    sd = {hf_name(f): getattr(w, f) for f in MODEL_TENSORS if f != "lm_head" or not c.tied_lm_head}
+    sd = {hf_name(f): getattr(w, f) for f in MODEL_TENSORS
+          if (f != "lm_head" or not c.tied_lm_head) and getattr(w, f) is not None}
     for i, lw in enumerate(w.layers):
         sd.update({hf_name(f, i, c): getattr(lw, f) for f in LAYER_TENSORS
                    if getattr(lw, f) is not None})
@@ -84,10 +96,14 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
 
 
 def attn_sublayer(h, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE,
-                  name="layers.0") -> torch.Tensor:
+                  name="layers.0", kv=None) -> torch.Tensor:
     """What attention adds to the stream: attention of the normalized stream h [B, T, D];
-    sandwich_norm (Gemma): normalized once more before the add."""
-    h = attention(h, w, config, pos, cache, trace, f"{name}.attn")  # [B, T, D]
+    sandwich_norm (Gemma): normalized once more before the add.
+    kv (Gemma 4): {layer: (K, V) it read}, for the layers that read another's."""
+    if config.varied_layers:  # Gemma 4: this layer's shape; a shared one reads its source's
+        h = gemma4_sublayer(h, w, config, pos, cache, trace, name, kv)  # [B, T, D]
+    else:
+        h = attention(h, w, config, pos, cache, trace, f"{name}.attn")  # [B, T, D]
     if config.sandwich_norm:
         h = rms_norm(h, w.post_attn_norm, config.norm_eps, trace,
                      f"{name}.attn_post_norm", config.norm_offset)  # [B, T, D]
@@ -104,22 +120,40 @@ def mlp_sublayer(h, w: LayerWeights, config, trace=NO_TRACE, name="layers.0") ->
     return h
 
 
+def gemma4_sublayer(h, w: LayerWeights, config, pos: Positions, cache, trace, name, kv):
+    """Gemma 4's attention of layer `name`: its own K, V kept in kv for the layers that
+    share them, or its source layer's read from kv."""
+    i = int(name.split(".")[1])
+    s = config_layer_shapes(config)[i]
+    shared = kv[s.kv_source] if s.kv_source != i else None
+    h, kv[i] = gemma4_attention(h, w, s, config.n_heads, config.norm_eps, pos, cache, shared,
+                                trace, f"{name}.attn", config.attn_scale)  # [B, T, D]
+    return h
+
+
 def block(x, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE,
-          name="layers.0") -> torch.Tensor:
+          name="layers.0", kv=None, ple=None) -> torch.Tensor:
     """One block, pre-norm: h = x + attention(norm(x)), then h + mlp(norm(h)).
     sandwich_norm (Gemma): a norm after each sublayer too, before the add.
-    OLMo 2 has only those after (pre_norm off): h = x + norm(attention(x))."""
+    OLMo 2 has only those after (pre_norm off): h = x + norm(attention(x)).
+    Gemma 4: kv, the K, V layers read (`attn_sublayer`); ple [B, T, P], this layer's input
+    (`ple_size`), gated in after the MLP; then the layer's scalar."""
     eps, off = config.norm_eps, config.norm_offset
     h = rms_norm(x, w.attn_norm, eps, trace, f"{name}.attn_norm",
                  off) if config.pre_norm else x  # [B, T, D]
-    h = attn_sublayer(h, w, config, pos, cache, trace, name)  # [B, T, D]
+    h = attn_sublayer(h, w, config, pos, cache, trace, name, kv)  # [B, T, D]
     x = trace.record(f"{name}.resid_mid", "x + attn(attn_norm(x))",
                      x + h)  # [B, T, D]
     h = rms_norm(x, w.mlp_norm, eps, trace, f"{name}.mlp_norm",
                  off) if config.pre_norm else x  # [B, T, D]
     h = mlp_sublayer(h, w, config, trace, name)  # [B, T, D]
-    return trace.record(f"{name}.resid_out", "h + mlp(mlp_norm(h))",
-                        x + h)  # [B, T, D]
+    x = trace.record(f"{name}.resid_out", "h + mlp(mlp_norm(h))",
+                     x + h)  # [B, T, D]
+    if ple is not None:  # Gemma 4: the stream gates its per-layer input in
+        x = per_layer_residual(x, ple, w, eps, trace, name)  # [B, T, D]
+    if config.layer_scalar:
+        x = layer_scaled(x, w.layer_scalar, trace, name)  # [B, T, D]
+    return x
 
 # the book's two models by the names a reader knows them by (config name -> label)
 LABELS = {"smollm2-135m": "SmolLM2-135M", "tinyllama-1.1b": "TinyLlama-1.1B"}
@@ -150,9 +184,14 @@ class Model:
     def is_meta(self) -> bool:
         return self.device.type == "meta"
 
-    def new_cache(self, max_len: int, batch: int = 1) -> list[KVCache]:
-        """One `KVCache` per layer, for sequences up to max_len positions."""
+    def new_cache(self, max_len: int, batch: int = 1) -> list[KVCache | None]:
+        """One `KVCache` per layer, for sequences up to max_len positions. Gemma 4: each of
+        its layer's shape, and None for a layer that reads another's K, V (it keeps none)."""
         c, dtype = self.config, self.weights.embed.dtype
+        if c.varied_layers:
+            return [KVCache(max_len, s.n_kv_heads, s.head_dim, batch, self.device, dtype)
+                    if s.kv_source == i else None
+                    for i, s in enumerate(config_layer_shapes(c))]
         return [KVCache(max_len, c.n_kv_heads, c.head_dim, batch, self.device, dtype)
                 for _ in range(c.n_layers)]
 
@@ -167,18 +206,27 @@ class Model:
         pos = Positions.of(start, ids.shape[1], c, self.device)  # shared by every layer
 
         x = embed(ids, w.embed, trace, c.embed_scale)  # [B, T, D]
+        ple = None
+        if c.ple_size:  # Gemma 4: a small input for each layer, from the ids and x
+            ple = per_layer_inputs(ids, x, PleWeights(w.ple_table, w.ple_model_proj,
+                                                      w.ple_model_norm),
+                                   c.n_layers, c.norm_eps, trace)  # [B, T, L, P]
+        kv = {}  # Gemma 4: the K, V each layer read, for the layers that share them
         for i, lw in enumerate(w.layers):
             layer_cache = None if cache is None else cache[i]
             # Gemma 3: a sliding layer has its own positions (window, RoPE base)
             layer_pos = pos.local if pos.local and c.is_sliding(i) else pos
-            x = block(x, lw, c, layer_pos, layer_cache, trace,
-                      f"layers.{i}")  # [B, T, D]
+            x = block(x, lw, c, layer_pos, layer_cache, trace, f"layers.{i}", kv,
+                      None if ple is None else ple[:, :, i])  # [B, T, D]
         x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm",
                      c.norm_offset)  # [B, T, D]
         logits = F.linear(x, w.lm_head)  # [B, T, V]
         head = "tied: embed_tokens" if c.tied_lm_head else "lm_head"
         macs = x.shape[0] * x.shape[1] * c.hidden_size * c.vocab_size
-        return trace.record("lm_head", f"x @ W^T ({head})", logits, macs)
+        logits = trace.record("lm_head", f"x @ W^T ({head})", logits, macs)
+        if c.final_softcap:  # Gemma 4: logits squashed below the cap
+            logits = softcap(logits, c.final_softcap, trace)  # [B, T, V]
+        return logits
 
     def encode(self, prompt: str, bos: bool | None = None) -> torch.Tensor:
         if not isinstance(prompt, str):
@@ -264,9 +312,13 @@ def estimate_trace_bytes(config: Config, T: int, S: int | None = None) -> int:
     counted because the pass records it. A test holds it equal to a real trace's bytes."""
     S = T if S is None else S
     kinds = tuple(dict.fromkeys(config.layer_types))  # () when every layer is alike
-    one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds,
-                                    max_positions=max(config.max_positions, S)))  # a bound
-    copies = [config.layer_types.count(kind) for kind in kinds] or [config.n_layers]
+    bound = max(config.max_positions, S)
+    if config.varied_layers or config.ple_size:  # Gemma 4: every layer, each its own
+        one, copies = meta_model(config.replace(max_positions=bound)), [1] * config.n_layers
+    else:
+        one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds,
+                                        max_positions=bound))  # a bound
+        copies = [config.layer_types.count(kind) for kind in kinds] or [config.n_layers]
     trace = Trace(keep_values=False)
     one.forward(torch.zeros(1, T, dtype=torch.long), trace, one.new_cache(S), start=S - T)
     total = 0
@@ -287,10 +339,13 @@ def trace_bytes(config: Config, trace: Trace, T: int, decode_steps: int = 0) -> 
         return estimate_trace_bytes(config, T) + decode_steps * estimate_trace_bytes(
             config, 1, T + decode_steps)
     kinds = tuple(dict.fromkeys(config.layer_types))  # () when every layer is alike
-    one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds))
     # the layers each layer of `one` stands for
-    like = [[i for i in range(config.n_layers) if not kinds or config.layer_types[i] == kind]
-            for kind in kinds or [None]]
+    if config.varied_layers or config.ple_size:  # Gemma 4: every layer, each its own
+        one, like = meta_model(config), [[i] for i in range(config.n_layers)]
+    else:
+        one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds))
+        like = [[i for i in range(config.n_layers)
+                 if not kinds or config.layer_types[i] == kind] for kind in kinds or [None]]
 
     def kept(ids, cache=None, start=0) -> int:
         t = Trace(keep_values=False)

@@ -44,7 +44,7 @@ class Family:
     not_null: tuple = ()  # NULLABLE keys HF's class types as int: a null is refused
 
 
-from . import gemma3, llama, mistral, olmo2, qwen2, qwen3  # noqa: E402  (they import Family)
+from . import gemma3, gemma4, llama, mistral, olmo2, qwen2, qwen3  # noqa: E402  (they import Family)
 
 # model_type -> its entry: one line per family
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (
@@ -54,12 +54,15 @@ REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     qwen3.FAMILY,
     gemma3.FAMILY,
     olmo2.FAMILY,
+    gemma4.FAMILY,
 )}
 # the fields of Config that only some families set; a family sets each to its default, to the
 # value in its `switches`, or (in `varies`) to what its config.json says
 SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "norm_offset",
             "sandwich_norm", "pre_norm", "mlp_act", "embed_scale", "attn_scale", "layer_types",
-            "rope_local_theta")
+            "rope_local_theta", "global_head_dim", "global_kv_heads", "k_eq_v",
+            "kv_shared_layers", "double_wide_mlp", "ple_size", "ple_vocab", "rope_partial",
+            "v_norm", "layer_scalar", "final_softcap")
 COMPUTED = ("llmtrace computes dense Llama-family models "
             f"({', '.join(f.label for f in REGISTRY.values())})")
 # model_types refused by name, for what they compute instead of a dense Llama block
@@ -67,7 +70,8 @@ MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe
        "granitemoe", "phimoe", "jamba", "llama4", "gpt_oss")
 MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 SOFTCAP = ("gemma2",)
-NOT_TEXT = {"gemma3": gemma3.WITH_VISION}  # a family's text model is computed, not this one
+FINAL_SOFTCAP = ("gemma4_text",)  # its final_logit_softcapping is computed (gemma4.softcap)
+NOT_TEXT = {"gemma3": gemma3.WITH_VISION, "gemma4": gemma4.WITH_TOWERS}  # a family's text model is computed, not this one
 
 
 def family_of(model_type: str, where: str) -> Family:
@@ -131,6 +135,9 @@ def refuse_unsupported(c: dict, where: str) -> None:
     """Settings that change what the model computes, which this forward pass does not implement:
     running such a checkpoint would print wrong logits as if they were right."""
     family = c.get("model_type", "llama")
+    if c.get("enable_moe_block"):  # Gemma 4's experts beside the MLP, said by their key
+        raise LlmTraceError(f"{where}: enable_moe_block=true (experts beside each layer's "
+                            f"MLP) is not implemented for Gemma 4: only its dense models")
     experts = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts")
                     if isinstance(c.get(k), int) and c[k] > 0), None)
     if experts or family in MOE:
@@ -143,7 +150,8 @@ def refuse_unsupported(c: dict, where: str) -> None:
         raise LlmTraceError(f"{where}: multi-head latent attention ({what}: K and V rebuilt "
                             f"from a small latent) is not implemented: {COMPUTED}")
     capped = next((k for k in ("attn_logit_softcapping", "final_logit_softcapping")
-                   if c.get(k)), None)
+                   if c.get(k) and not (k == "final_logit_softcapping"
+                                        and family in FINAL_SOFTCAP)), None)
     if capped or family in SOFTCAP:
         what = f"{capped}={c[capped]}" if capped else f"model_type {family!r}"
         raise LlmTraceError(f"{where}: attention logit soft-capping ({what}: scores squashed "

@@ -30,6 +30,11 @@ LAYER_TENSORS = {
     # Gemma 3's norms after each sublayer (`sandwich_norm`)
     "post_attn_norm": ("post_attention_layernorm.weight", "post_attention_norm.weight"),
     "post_mlp_norm": ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+    # Gemma 4's per-layer inputs (`ple_size`) and layer scalar (llama.cpp's gemma3n names)
+    "ple_gate": ("per_layer_input_gate.weight", "inp_gate.weight"),
+    "ple_proj": ("per_layer_projection.weight", "proj.weight"),
+    "ple_norm": ("post_per_layer_input_norm.weight", "post_norm.weight"),
+    "layer_scalar": ("layer_scalar", "layer_output_scale.weight"),
 }
 # With a norm after each sublayer, HF's "post_attention_layernorm" is that norm after attention,
 # and the norm before the MLP has a name of its own
@@ -38,6 +43,10 @@ MODEL_TENSORS = {
     "embed": ("model.embed_tokens.weight", "token_embd.weight"),
     "final_norm": ("model.norm.weight", "output_norm.weight"),
     "lm_head": ("lm_head.weight", "output.weight"),
+    # Gemma 4's per-layer inputs: a second table, and a projection of the embedded stream
+    "ple_table": ("model.embed_tokens_per_layer.weight", "per_layer_token_embd.weight"),
+    "ple_model_proj": ("model.per_layer_model_projection.weight", "per_layer_model_proj.weight"),
+    "ple_model_norm": ("model.per_layer_projection_norm.weight", "per_layer_proj_norm.weight"),
 }
 
 
@@ -52,19 +61,35 @@ def hf_name(field: str, layer: int | None = None, c: Config | None = None) -> st
     return f"model.layers.{layer}.{name}"
 
 
-def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
+def tensor_shapes(c: Config, layer: int = 0) -> dict[str, tuple[int, ...]]:
     """The shape the config implies for each field of `Weights` and `LayerWeights` this config
     has, in model order: a tied LM head has no tensor of its own, a family's extras appear only
-    when its switch is on."""
+    when its switch is on. Layers alike but in Gemma 4 (`varied_layers`): those of `layer`."""
     D, hd, V, F = c.hidden_size, c.head_dim, c.vocab_size, c.ffn_size
+    kv, own_k, own_v = c.kv_size, True, True
+    if c.varied_layers:  # Gemma 4: this layer's head width, KV heads, MLP; shared: no K, V
+        from ..gemma4 import config_layer_shapes
+
+        s = config_layer_shapes(c)[layer]
+        hd, F, kv = s.head_dim, s.ffn_size, s.n_kv_heads * s.head_dim
+        own_k = s.kv_source == layer
+        own_v = own_k and not s.k_eq_v
     shapes = {"embed": (V, D), "attn_norm": (D,)} if c.pre_norm else {"embed": (V, D)}
-    shapes.update(q_proj=(c.n_heads * hd, D), k_proj=(c.kv_size, D), v_proj=(c.kv_size, D))
+    if c.ple_size:
+        shapes.update(ple_table=(c.ple_vocab, c.n_layers * c.ple_size),
+                      ple_model_proj=(c.n_layers * c.ple_size, D),
+                      ple_model_norm=(c.ple_size,))
+    shapes["q_proj"] = (c.n_heads * hd, D)
+    if own_k:
+        shapes["k_proj"] = (kv, D)
+    if own_v:
+        shapes["v_proj"] = (kv, D)
     if c.qkv_bias:
         shapes.update(q_bias=(c.n_heads * hd,), k_bias=(c.kv_size,), v_bias=(c.kv_size,))
     if c.qk_proj_norm:  # OLMo 2: one weight over the whole projection
         shapes.update(q_norm=(c.n_heads * hd,), k_norm=(c.kv_size,))
     if c.qk_norm:  # one weight per head dimension, shared by every head
-        shapes.update(q_norm=(hd,), k_norm=(hd,))
+        shapes.update(q_norm=(hd,), **({"k_norm": (hd,)} if own_k else {}))
     shapes["o_proj"] = (D, c.n_heads * hd)
     if c.sandwich_norm:  # Gemma: a norm after attention
         shapes["post_attn_norm"] = (D,)
@@ -73,6 +98,11 @@ def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
     shapes.update({"gate": (F, D), "up": (F, D), "down": (D, F)})
     if c.sandwich_norm:  # and after the MLP
         shapes["post_mlp_norm"] = (D,)
+    if c.ple_size:  # Gemma 4: each layer gates its per-layer input in
+        shapes.update(ple_gate=(c.ple_size, D), ple_proj=(D, c.ple_size),
+                      ple_norm=(D,))
+    if c.layer_scalar:
+        shapes["layer_scalar"] = (1,)
     shapes["final_norm"] = (D,)
     if not c.tied_lm_head:
         shapes["lm_head"] = (V, D)
@@ -84,5 +114,6 @@ def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
     shapes = tensor_shapes(c)
     out = {hf_name(f): shapes[f] for f in MODEL_TENSORS if f in shapes}
     for i in range(c.n_layers):
+        shapes = tensor_shapes(c, i) if c.varied_layers else shapes
         out.update({hf_name(f, i, c): shapes[f] for f in LAYER_TENSORS if f in shapes})
     return out
