@@ -310,6 +310,21 @@ PRESETS: dict[str, dict] = {
                       n_kv_heads=16, ffn_size=8192, max_positions=4096, rope_theta=500_000.0,
                       norm_eps=1e-6, bos_id=None, eos_id=100257, family="olmo2",
                       pre_norm=False, sandwich_norm=True, qk_proj_norm=True),
+    # google/gemma-4-E2B's text_config, as copies of its config.json in several public
+    # repositories' tests give it (the hub's own file could not be read here): 35 layers, every
+    # 5th full; the last 20 read the K, V of layers 13 (sliding) and 14 (full); one KV head of
+    # 256 (sliding) or 512 (full, a quarter of its pairs turning); per-layer inputs of 256;
+    # eos_token_id [1, 106] at the top of that file
+    "gemma-4-e2b": dict(vocab_size=262144, hidden_size=1536, n_layers=35, n_heads=8,
+                        n_kv_heads=1, ffn_size=6144, max_positions=131072,
+                        rope_theta=1_000_000.0, norm_eps=1e-6, tied_lm_head=True, bos_id=2,
+                        eos_id=1, stop_ids=(106,), head_dim=256, qk_norm=True,
+                        sandwich_norm=True, mlp_act="gelu_tanh", embed_scale=True,
+                        attn_scale=1.0, layer_types=(("sliding",) * 4 + ("full",)) * 7,
+                        rope_local_theta=10_000.0, sliding_window=512, family="gemma4_text",
+                        global_head_dim=512, kv_shared_layers=20, double_wide_mlp=True,
+                        ple_size=256, ple_vocab=262144, rope_partial=0.25, v_norm=True,
+                        layer_scalar=True, final_softcap=30.0),
 }
 ALIASES = {"tinyllama": "tinyllama-1.1b", "smollm2": "smollm2-135m", "embedded": "smollm2-135m",
            "7b": "llama-2-7b", "70b": "llama-2-70b", "mistral-7b": "mistral-7b-v0.1"}

@@ -135,6 +135,8 @@ def refuse_unsupported(c: dict, where: str) -> None:
     """Settings that change what the model computes, which this forward pass does not implement:
     running such a checkpoint would print wrong logits as if they were right."""
     family = c.get("model_type", "llama")
+    if family in NOT_TEXT:  # its towers first: the text model alone may be computed
+        raise LlmTraceError(f"{where}: {NOT_TEXT[family]}")
     if c.get("enable_moe_block"):  # Gemma 4's experts beside the MLP, said by their key
         raise LlmTraceError(f"{where}: enable_moe_block=true (experts beside each layer's "
                             f"MLP) is not implemented for Gemma 4: only its dense models")

@@ -31,10 +31,12 @@ def full_layer_shape(k: HFKeys, kinds: list[str]) -> tuple[int, int]:
     if per is None:
         kv = k.get("num_global_key_value_heads", int, None, least=1) if k_eq_v else None
         return k.get("global_head_dim", int, 512, least=2), kv or 0
-    full = {str(i) for i, t in enumerate(layer_kinds(kinds)) if t == "full"}
-    if not isinstance(per, dict) or set(map(str, per)) != full:
+    full = {i for i, t in enumerate(layer_kinds(kinds)) if t == "full"}
+    # keyed by layer: 2, "2" or, as HF's to_dict writes them, "02"
+    if not isinstance(per, dict) or {int(i) for i in per if str(i).isdigit()} != full \
+            or len(per) != len(full):
         raise LlmTraceError(f"{where}: per_layer_config must give each full layer "
-                            f"({', '.join(sorted(full, key=int))}) its shape, got {per!r:.60}")
+                            f"({', '.join(map(str, sorted(full)))}) its shape, got {per!r:.60}")
     shapes = {(v.get("head_dim", c.get("head_dim", 256)), v.get("num_key_value_heads", 0))
               for v in per.values()}
     if len(shapes) > 1 or set().union(*map(set, per.values())) - {"head_dim",
@@ -53,8 +55,8 @@ def gemma4_switches(k: HFKeys) -> dict:
                             f"Gemma 4's MLP is GeGLU with gelu_pytorch_tanh")
     n = k.get("num_hidden_layers", int)
     kinds = c.get("layer_types")
-    if kinds is None:  # HF's default: every 6th layer full
-        kinds = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+    if kinds is None:  # HF's default: every 6th layer full, and the last
+        kinds = ["full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention"
                  for i in range(n)]
     if not isinstance(kinds, list) or any(t not in HF_LAYER_KINDS for t in kinds):
         raise LlmTraceError(f"{where}: layer_types must list 'full_attention' or "
