@@ -124,7 +124,8 @@ def _editing(name):
 
 
 EDITABLE = [n for n in NAMES if n not in ("count_parameters", "bpe_merge", "future_mask",
-                                          "sliding_window_mask", "decode_loop")]
+                                          "sliding_window_mask", "decode_loop",
+                                          "kv_source_layers")]
 
 
 @pytest.mark.parametrize("name", EDITABLE)
@@ -402,6 +403,11 @@ WRONG = {
     "patch_country": [(lambda stream, other, pos: other.clone(), "only the country's position")],
     "head_logit_attribution": [(dla_own_rms, "freeze the final norm's divisor")],
     "sliding_window_mask": [(window_sees_one_more, "off by one")],
+    "kv_source_layers": [(lambda types, n: list(range(len(types))), "compute no K, V"),
+                         (lambda types, n: [min(j for j in range(len(types) - n)
+                                                if types[j] == t) if i >= len(types) - n
+                                            else i for i, t in enumerate(types)],
+                          "the LAST layer of its kind")],
 }
 
 
