@@ -6,7 +6,7 @@ prefill). A trace of any model gives their numbers.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,9 @@ class Positions:
     local: "Positions | None" = None  # Gemma 3's sliding layers: their window and RoPE base
     rope: bool = True  # False on a layer without RoPE (SmolLM3's NoPE layers): q, k as projected
     rotary_dim: int | None = None  # RoPE on the first rotary_dim of each head (Qwen3-Next)
+    # what the layers of one pass hand each other (Gemma 4: "ple", the per-layer inputs, and
+    # layer -> the K, V it read, for the layers that share them); one dict for every kind
+    shared: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, start: int, T: int, config, device=None) -> "Positions":
@@ -84,8 +87,10 @@ class Positions:
         # the window, and turn at a RoPE base of their own
         local = config.rope_local_theta or config.rope_theta
         local_cos, local_sin = rope_cos_sin(positions, config.head_dim, local)
+        shared = {}
         return cls(start, cos, sin, causal, None, config.rope_theta,
-                   cls(start, local_cos, local_sin, causal, window, local))
+                   cls(start, local_cos, local_sin, causal, window, local, shared=shared),
+                   shared=shared)
 
 
 def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0,

@@ -207,8 +207,7 @@ class Config:
     def varied_layers(self) -> bool:
         """Do the layers' attention and MLP differ in shape, or read each other's K, V
         (Gemma 4: `gemma4.config_layer_shapes`)?"""
-        return bool(self.global_head_dim or self.global_kv_heads or self.k_eq_v
-                    or self.kv_shared_layers or self.double_wide_mlp or self.v_norm)
+        return bool(self.v_norm or self.k_eq_v or self.kv_shared_layers or self.global_head_dim)
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)

@@ -31,19 +31,28 @@ class ParamRow:
 
 def parameter_table(c: Config) -> list[ParamRow]:
     """One row per component, in model order; a tied LM head has no row of its own."""
+    if c.v_norm or c.k_eq_v or c.kv_shared_layers or c.global_head_dim:  # Gemma 4
+        return varied_parameter_table(c)
     rows = []
     for field, shape in tensor_shapes(c).items():
         per_layer = field in LAYER_TENSORS
         component = "embedding" if field == "embed" else field
         copies = c.n_layers if per_layer else 1
-        if per_layer and c.varied_layers:  # Gemma 4: one row per shape the layers have
-            rows += layer_rows(c, field)
-            continue
         rows.append(ParamRow(component, shape, math.prod(shape), copies, per_layer))
-    if c.varied_layers:  # a field layer 0 lacks (k_eq_v's v_proj on full layers only)
-        rows += [r for f in LAYER_TENSORS if f not in tensor_shapes(c)
-                 for r in layer_rows(c, f)]
     return rows
+
+
+def varied_parameter_table(c: Config) -> list[ParamRow]:
+    """`parameter_table` when layers differ in shape (Gemma 4): a layer tensor has one row per
+    shape the layers give it, with the layers of that shape as its copies."""
+    rows = []
+    for field, shape in tensor_shapes(c).items():
+        if field not in LAYER_TENSORS:
+            component = "embedding" if field == "embed" else field
+            rows.append(ParamRow(component, shape, math.prod(shape), 1, False))
+    fields = [f for f in LAYER_TENSORS if any(f in tensor_shapes(c, i)
+                                              for i in range(c.n_layers))]
+    return rows + [r for f in fields for r in layer_rows(c, f)]
 
 
 def layer_rows(c: Config, field: str) -> list[ParamRow]:

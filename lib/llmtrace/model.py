@@ -96,12 +96,11 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
 
 
 def attn_sublayer(h, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE,
-                  name="layers.0", kv=None) -> torch.Tensor:
+                  name="layers.0") -> torch.Tensor:
     """What attention adds to the stream: attention of the normalized stream h [B, T, D];
-    sandwich_norm (Gemma): normalized once more before the add.
-    kv (Gemma 4): {layer: (K, V) it read}, for the layers that read another's."""
-    if config.varied_layers:  # Gemma 4: this layer's shape; a shared one reads its source's
-        h = gemma4_sublayer(h, w, config, pos, cache, trace, name, kv)  # [B, T, D]
+    sandwich_norm (Gemma): normalized once more before the add."""
+    if config.v_norm or config.k_eq_v or config.kv_shared_layers or config.global_head_dim:
+        h = gemma4_sublayer(h, w, config, pos, cache, trace, name)  # [B, T, D]: Gemma 4
     else:
         h = attention(h, w, config, pos, cache, trace, f"{name}.attn")  # [B, T, D]
     if config.sandwich_norm:
@@ -120,28 +119,38 @@ def mlp_sublayer(h, w: LayerWeights, config, trace=NO_TRACE, name="layers.0") ->
     return h
 
 
-def gemma4_sublayer(h, w: LayerWeights, config, pos: Positions, cache, trace, name, kv):
-    """Gemma 4's attention of layer `name`: its own K, V kept in kv for the layers that
-    share them, or its source layer's read from kv."""
+def gemma4_sublayer(h, w: LayerWeights, config, pos: Positions, cache, trace, name):
+    """Gemma 4's attention of layer `name` ("layers.3"): with its own K, V, kept in the
+    pass's `pos.shared` for the layers that read them; a shared layer reads its source's."""
     i = int(name.split(".")[1])
     s = config_layer_shapes(config)[i]
-    shared = kv[s.kv_source] if s.kv_source != i else None
-    h, kv[i] = gemma4_attention(h, w, s, config.n_heads, config.norm_eps, pos, cache, shared,
-                                trace, f"{name}.attn", config.attn_scale)  # [B, T, D]
+    kv = pos.shared[s.kv_source] if s.kv_source != i else None  # [B, S, KV, hd] each
+    h, pos.shared[i] = gemma4_attention(h, w, s, config.n_heads, config.norm_eps, pos,
+                                        cache, kv, trace, f"{name}.attn",
+                                        config.attn_scale)  # [B, T, D]
     return h
 
 
+def gemma4_layer_end(x, w: LayerWeights, config, pos: Positions, trace, name):
+    """What a Gemma 4 layer adds after its MLP: its own per-layer input [B, T, P], gated in
+    by the stream (`ple_size`), then the whole times the layer's scalar."""
+    if config.ple_size:
+        ple = pos.shared["ple"][:, :, int(name.split(".")[1])]  # [B, T, P]
+        x = per_layer_residual(x, ple, w, config.norm_eps, trace, name)  # [B, T, D]
+    if config.layer_scalar:
+        x = layer_scaled(x, w.layer_scalar, trace, name)  # [B, T, D]
+    return x
+
+
 def block(x, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE,
-          name="layers.0", kv=None, ple=None) -> torch.Tensor:
+          name="layers.0") -> torch.Tensor:
     """One block, pre-norm: h = x + attention(norm(x)), then h + mlp(norm(h)).
     sandwich_norm (Gemma): a norm after each sublayer too, before the add.
-    OLMo 2 has only those after (pre_norm off): h = x + norm(attention(x)).
-    Gemma 4: kv, the K, V layers read (`attn_sublayer`); ple [B, T, P], this layer's input
-    (`ple_size`), gated in after the MLP; then the layer's scalar."""
+    OLMo 2 has only those after (pre_norm off): h = x + norm(attention(x))."""
     eps, off = config.norm_eps, config.norm_offset
     h = rms_norm(x, w.attn_norm, eps, trace, f"{name}.attn_norm",
                  off) if config.pre_norm else x  # [B, T, D]
-    h = attn_sublayer(h, w, config, pos, cache, trace, name, kv)  # [B, T, D]
+    h = attn_sublayer(h, w, config, pos, cache, trace, name)  # [B, T, D]
     x = trace.record(f"{name}.resid_mid", "x + attn(attn_norm(x))",
                      x + h)  # [B, T, D]
     h = rms_norm(x, w.mlp_norm, eps, trace, f"{name}.mlp_norm",
@@ -149,10 +158,8 @@ def block(x, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE
     h = mlp_sublayer(h, w, config, trace, name)  # [B, T, D]
     x = trace.record(f"{name}.resid_out", "h + mlp(mlp_norm(h))",
                      x + h)  # [B, T, D]
-    if ple is not None:  # Gemma 4: the stream gates its per-layer input in
-        x = per_layer_residual(x, ple, w, eps, trace, name)  # [B, T, D]
-    if config.layer_scalar:
-        x = layer_scaled(x, w.layer_scalar, trace, name)  # [B, T, D]
+    if config.ple_size or config.layer_scalar:  # Gemma 4: per-layer input, layer scalar
+        x = gemma4_layer_end(x, w, config, pos, trace, name)  # [B, T, D]
     return x
 
 # the book's two models by the names a reader knows them by (config name -> label)
@@ -206,18 +213,16 @@ class Model:
         pos = Positions.of(start, ids.shape[1], c, self.device)  # shared by every layer
 
         x = embed(ids, w.embed, trace, c.embed_scale)  # [B, T, D]
-        ple = None
         if c.ple_size:  # Gemma 4: a small input for each layer, from the ids and x
-            ple = per_layer_inputs(ids, x, PleWeights(w.ple_table, w.ple_model_proj,
-                                                      w.ple_model_norm),
-                                   c.n_layers, c.norm_eps, trace)  # [B, T, L, P]
-        kv = {}  # Gemma 4: the K, V each layer read, for the layers that share them
+            pos.shared["ple"] = per_layer_inputs(
+                ids, x, PleWeights(w.ple_table, w.ple_model_proj, w.ple_model_norm),
+                c.n_layers, c.norm_eps, trace)  # [B, T, L, P]
         for i, lw in enumerate(w.layers):
             layer_cache = None if cache is None else cache[i]
             # Gemma 3: a sliding layer has its own positions (window, RoPE base)
             layer_pos = pos.local if pos.local and c.is_sliding(i) else pos
-            x = block(x, lw, c, layer_pos, layer_cache, trace, f"layers.{i}", kv,
-                      None if ple is None else ple[:, :, i])  # [B, T, D]
+            x = block(x, lw, c, layer_pos, layer_cache, trace,
+                      f"layers.{i}")  # [B, T, D]
         x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm",
                      c.norm_offset)  # [B, T, D]
         logits = F.linear(x, w.lm_head)  # [B, T, V]
