@@ -9,7 +9,7 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from llmtrace import Config, LlmTraceError, load_model, meta_model
 from llmtrace.cost import parameter_count
-from llmtrace.gemma4 import config_layer_shapes, kv_bytes_per_token
+from llmtrace.gemma4 import cache_shape, config_layer_shapes, kv_bytes_per_token
 from llmtrace.model import trace_shapes
 from tiny_checkpoint import hf_config, make_tiny_checkpoint
 
@@ -104,3 +104,6 @@ def test_preset_on_meta_matches_hf():
     assert sum(n.endswith(".attn.k_proj") for n in by) == 15
     cache = meta_model(c).new_cache(6)
     assert sum(k is not None for k in cache) == 15
+    assert [cache_shape(c, i) for i in (0, 4, 15, 34)] == [(1, 256), (1, 512), None, None]
+    assert [None if k is None else tuple(k.k.shape[2:]) for k in cache] == [
+        cache_shape(c, i) for i in range(c.n_layers)]

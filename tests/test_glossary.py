@@ -19,11 +19,14 @@ def recorded_names() -> set[str]:
     return names | set(step.names)
 
 
-def glossary_names(known: set[str]) -> list[str]:
-    """The names in the first column of the glossary's table. A short name after the first one
-    (`k_proj` after `layers.N.attn.q_proj`) completes with a prefix of the first."""
+def glossary_names(known: set[str], section: str | None = None) -> list[str]:
+    """The names in the first column of the glossary's table (that under the heading
+    `section`, else the first). A short name after the first one (`k_proj` after
+    `layers.N.attn.q_proj`) completes with a prefix of the first."""
     names = []
-    for line in GLOSSARY.read_text().splitlines():
+    text = GLOSSARY.read_text()
+    text = text.split(f"\n## {section}\n")[1] if section else text.split("\n## ")[0]
+    for line in text.split("\n## ")[0].splitlines():
         if not line.startswith("| `"):
             continue
         first, *short = re.findall(r"`([^`]+)`", line.split("|")[1])
@@ -41,3 +44,20 @@ def test_glossary_lists_every_recorded_name():
     assert len(listed) == len(set(listed))  # each name once
     assert set(listed) - known == set()  # nothing the trace does not record
     assert known - set(listed) == set()  # nothing the trace records left out
+
+
+def test_glossary_lists_gemma4s_own_records():
+    """Its section lists what gemma-4-e2b's trace records and gemma-3-270m's does not, with
+    the shapes of that trace."""
+    def named(config):
+        (prefill,) = trace_shapes(config, 6, 0)
+        return {re.sub(r"^layers\.\d+\.", "layers.N.", r.name): r.shape for r in prefill}
+
+    gemma4, gemma3 = named("gemma-4-e2b"), named("gemma-3-270m")
+    own = set(gemma4) - set(gemma3)
+    listed = glossary_names(own, "Gemma 4's records")
+    assert len(listed) == len(set(listed)) and set(listed) == own
+    text = GLOSSARY.read_text().split("## Gemma 4's records")[1]
+    for line in text.splitlines():
+        if line.startswith("| `layers.N.resid_ple`"):
+            assert str(list(gemma4["layers.N.resid_ple"])) in line

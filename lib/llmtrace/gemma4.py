@@ -143,6 +143,14 @@ def config_layer_shapes(c) -> list[LayerShape]:
     return shapes
 
 
+def cache_shape(c, layer: int) -> tuple[int, int] | None:
+    """(KV heads, head_dim) of the cache layer `layer` of a Gemma 4 `Config` keeps, or None
+    for a layer that reads another's K, V and keeps none: a count of cache bytes per layer
+    of any config reads it when `c.varied_layers`."""
+    s = config_layer_shapes(c)[layer]
+    return None if s.kv_source != layer else (s.n_kv_heads, s.head_dim)
+
+
 def kv_bytes_per_token(shapes: list[LayerShape], dtype_bytes: int = 2) -> int:
     """Bytes one position adds to the cache: K and V of each layer that computes its own
     (a shared layer adds nothing; with k_eq_v, K and V still differ after their norms, so
@@ -413,7 +421,7 @@ def params_of_shapes(shapes: list[LayerShape], D: int, H: int) -> int:
     return total
 
 
-__all__ = ["REFUSED", "LayerShape", "config_layer_shapes", "MoeBranch", "PleWeights", "gemma4_attention",
+__all__ = ["REFUSED", "LayerShape", "cache_shape", "config_layer_shapes", "MoeBranch", "PleWeights", "gemma4_attention",
            "gemma4_router", "hf_moe_branch", "kv_bytes_per_token", "kv_sources", "layer_kinds",
            "layer_scaled", "layer_shapes", "moe_branch", "own_kv", "params_of_shapes",
            "per_layer_inputs", "per_layer_residual", "proportional_cos_sin",
