@@ -91,6 +91,9 @@ def hf_meta_count(c: Config) -> int:
 def test_preset_on_meta_matches_hf():
     c = Config.from_name("gemma-4-e2b")
     assert parameter_count(c) == hf_meta_count(c) == 4_628_569_379
+    # Google's "2B effective parameters": all but the per-layer table, which is looked up
+    table = c.ple_vocab * c.n_layers * c.ple_size
+    assert table == 2_348_810_240 and round((parameter_count(c) - table) / 1e9) == 2
     shapes = config_layer_shapes(c)
     assert [s.kv_source for s in shapes][13:] == [13, 14] + [
         14 if i % 5 == 4 else 13 for i in range(15, 35)]

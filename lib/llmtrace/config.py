@@ -313,7 +313,10 @@ PRESETS: dict[str, dict] = {
     # repositories' tests give it (the hub's own file could not be read here): 35 layers, every
     # 5th full; the last 20 read the K, V of layers 13 (sliding) and 14 (full); one KV head of
     # 256 (sliding) or 512 (full, a quarter of its pairs turning); per-layer inputs of 256;
-    # eos_token_id [1, 106] at the top of that file
+    # eos_token_id [1, 106] at the top of that file. Google's Gemma docs (ai.google.dev/gemma/
+    # docs/core) give it "2B effective parameters": the 4,628,569,379 of HF's class less its
+    # per-layer table's 2,348,810,240 is 2.28B; no published total of the text model alone
+    # was found to check the whole against
     "gemma-4-e2b": dict(vocab_size=262144, hidden_size=1536, n_layers=35, n_heads=8,
                         n_kv_heads=1, ffn_size=6144, max_positions=131072,
                         rope_theta=1_000_000.0, norm_eps=1e-6, tied_lm_head=True, bos_id=2,

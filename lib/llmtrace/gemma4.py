@@ -421,7 +421,8 @@ def params_of_shapes(shapes: list[LayerShape], D: int, H: int) -> int:
     return total
 
 
-__all__ = ["REFUSED", "LayerShape", "cache_shape", "config_layer_shapes", "MoeBranch", "PleWeights", "gemma4_attention",
+__all__ = ["REFUSED", "LayerShape", "cache_shape", "config_layer_shapes", "MoeBranch",
+           "PleWeights", "gemma4_attention",
            "gemma4_router", "hf_moe_branch", "kv_bytes_per_token", "kv_sources", "layer_kinds",
            "layer_scaled", "layer_shapes", "moe_branch", "own_kv", "params_of_shapes",
            "per_layer_inputs", "per_layer_residual", "proportional_cos_sin",

@@ -44,7 +44,8 @@ class Family:
     not_null: tuple = ()  # NULLABLE keys HF's class types as int: a null is refused
 
 
-from . import gemma3, gemma4, llama, mistral, olmo2, qwen2, qwen3  # noqa: E402  (they import Family)
+# they import Family
+from . import gemma3, gemma4, llama, mistral, olmo2, qwen2, qwen3  # noqa: E402
 
 # model_type -> its entry: one line per family
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (
@@ -71,7 +72,8 @@ MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe
 MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 SOFTCAP = ("gemma2",)
 FINAL_SOFTCAP = ("gemma4_text",)  # its final_logit_softcapping is computed (gemma4.softcap)
-NOT_TEXT = {"gemma3": gemma3.WITH_VISION, "gemma4": gemma4.WITH_TOWERS}  # a family's text model is computed, not this one
+# a family's text model is computed, not this one
+NOT_TEXT = {"gemma3": gemma3.WITH_VISION, "gemma4": gemma4.WITH_TOWERS}
 
 
 def family_of(model_type: str, where: str) -> Family:
