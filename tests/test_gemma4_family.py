@@ -91,6 +91,11 @@ def hf_meta_count(c: Config) -> int:
 def test_preset_on_meta_matches_hf():
     c = Config.from_name("gemma-4-e2b")
     assert parameter_count(c) == hf_meta_count(c) == 4_628_569_379
+    w = meta_model(c).weights  # the meta model's tensors: the same count
+    tensors = {id(t): t for t in vars(w).values() if isinstance(t, torch.Tensor)}
+    for lw in w.layers:
+        tensors.update({id(t): t for t in vars(lw).values() if t is not None})
+    assert sum(t.numel() for t in tensors.values()) == parameter_count(c)
     # Google's "2B effective parameters": all but the per-layer table, which is looked up
     table = c.ple_vocab * c.n_layers * c.ple_size
     assert table == 2_348_810_240 and round((parameter_count(c) - table) / 1e9) == 2
