@@ -9,7 +9,8 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from llmtrace import Config, LlmTraceError, load_model, meta_model
 from llmtrace.cost import parameter_count
-from llmtrace.gemma4 import cache_shape, config_layer_shapes, kv_bytes_per_token
+from llmtrace.gemma4 import (cache_shape, config_layer_shapes, kv_bytes_per_token,
+                             layer_kv_values)
 from llmtrace.model import trace_shapes
 from tiny_checkpoint import hf_config, make_tiny_checkpoint
 
@@ -115,3 +116,8 @@ def test_preset_on_meta_matches_hf():
     assert [cache_shape(c, i) for i in (0, 4, 15, 34)] == [(1, 256), (1, 512), None, None]
     assert [None if k is None else tuple(k.k.shape[2:]) for k in cache] == [
         cache_shape(c, i) for i in range(c.n_layers)]
+    # what each layer must cache: one position, every layer: the bytes a token adds (bf16)
+    assert 2 * sum(layer_kv_values(c, i, 1) for i in range(c.n_layers)) == 18432
+    # a long context: the sliding layers keep their window, the shared ones nothing
+    values = [layer_kv_values(c, i, 4096) for i in range(c.n_layers)]
+    assert values[0] == 512 * 2 * 256 and values[4] == 4096 * 2 * 512 and values[15:] == [0] * 20

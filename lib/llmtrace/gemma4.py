@@ -151,6 +151,19 @@ def cache_shape(c, layer: int) -> tuple[int, int] | None:
     return None if s.kv_source != layer else (s.n_kv_heads, s.head_dim)
 
 
+def layer_kv_values(c, layer: int, context: int) -> int:
+    """The numbers layer `layer` of a Gemma 4 `Config` must cache after `context` positions:
+    none for a layer that reads another's K, V; else K and V of its own heads, over the last
+    sliding_window positions on a sliding layer (what an inference cache keeps)."""
+    shape = cache_shape(c, layer)
+    if shape is None:
+        return 0
+    if c.is_sliding(layer):
+        context = min(context, c.sliding_window)
+    kv, hd = shape
+    return context * 2 * kv * hd
+
+
 def kv_bytes_per_token(shapes: list[LayerShape], dtype_bytes: int = 2) -> int:
     """Bytes one position adds to the cache: K and V of each layer that computes its own
     (a shared layer adds nothing; with k_eq_v, K and V still differ after their norms, so
@@ -424,6 +437,7 @@ def params_of_shapes(shapes: list[LayerShape], D: int, H: int) -> int:
 __all__ = ["REFUSED", "LayerShape", "cache_shape", "config_layer_shapes", "MoeBranch",
            "PleWeights", "gemma4_attention",
            "gemma4_router", "hf_moe_branch", "kv_bytes_per_token", "kv_sources", "layer_kinds",
+           "layer_kv_values",
            "layer_scaled", "layer_shapes", "moe_branch", "own_kv", "params_of_shapes",
            "per_layer_inputs", "per_layer_residual", "proportional_cos_sin",
            "proportional_frequencies", "refuse_unsupported", "rope_settings", "softcap",
