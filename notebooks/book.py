@@ -179,7 +179,7 @@ _RUNNING: list = [None]  # the config of the model `start_chapter` loaded: its l
 # for, and the value it holds in a run that leaves that field at its default (Llama 2's)
 _SWITCH_ATTRS = {"pos.base": ("layer_types", 0.0), "pos.local": ("layer_types", None),
                  "pos.window": ("sliding_window", None), "pos.rope": ("no_rope_layers", True),
-                 "pos.rotary_dim": ("partial_rotary_factor", None)}
+                 "pos.rotary_dim": ("partial_rotary_factor", None), "w.moe": ("n_experts", None)}
 _SWITCH_NAMES = {  # per function: its parameters and locals that carry a switch
     "rms_norm": {"offset": ("norm_offset", False)},
     "embed": {"scale": ("embed_scale", False)},

@@ -39,7 +39,7 @@ def test_freed_memory_is_reused_not_faulted_in_again():
 
 def test_trace_bytes_count_shared_memory_once(prompt_trace):
     _, trace = prompt_trace
-    kept = [r.tensor for r in trace if r.tensor is not None]
+    kept = [r.held for r in trace if r.held is not None]  # not those recomputed when read
     naive = sum(t.numel() * t.element_size() for t in kept)
     # q is a view of q_proj, and the one causal mask is recorded in every layer
     assert trace["layers.0.attn.q"].untyped_storage().data_ptr() == trace["layers.0.attn.q_proj"].data_ptr()
@@ -86,3 +86,23 @@ def test_bench_rejects_zero_threads(capsys):
         bench.main(["--threads", "0", "--json", "/nonexistent/bench.json"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip() == "error: threads must be at least 1, got 0"
+
+
+def test_peers_table_says_which_peer_was_skipped():
+    from bench import peers
+    a = torch.zeros(4, 8)
+    assert peers.held([a, a[1], a.view(32), torch.zeros(3)]) == 4 * 8 * 4 + 3 * 4  # each storage once
+    assert len(peers.tensors_in({"x": (a, [a, 1]), "y": None})) == 2
+    row = {"tool": "llmtrace, every value", "held_mib": 495.4, "tensors": 905, "vs_hf": 0.961,
+           "spread": [0.9, 0.961, 1.05], "page_faults": 24584.5, "max_logit_diff": 0.0}
+    r = {"tokens": 256, "threads": 2, "rows": [row, {"tool": "nnsight", "missing": True}]}
+    lines = peers.table(r).splitlines()
+    assert lines[2] == "| llmtrace, every value | 0.961x (0.900-1.050) | 495.4 MiB | 905 | 24,584 | 0 |"
+    assert lines[3] == "| nnsight | not installed: skipped | | | | |"
+def test_the_671b_trace_is_reported_against_its_target():
+    from bench.bench import META_671B_TARGET_S, report_meta
+
+    m = {"deepseek-v3": {"first_s": 3.0, "warm_s": 2.5}}
+    assert "0.30x   target < 1x   ok" in report_meta(m)
+    m["deepseek-v3"]["first_s"] = META_671B_TARGET_S + 1
+    assert report_meta(m).endswith("MISSED")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from llmtrace import Config, LlmTraceError, load_model
-from llmtrace.weights.names import LAYER_TENSORS, MODEL_TENSORS, expected_shapes
+from llmtrace.mla import MlaWeights
+from llmtrace.weights.names import LAYER_TENSORS, MLA_TENSORS, MODEL_TENSORS, expected_shapes
 from llmtrace.model import LayerWeights, Weights, state_dict_from_weights
 from llmtrace.weights.gguf import embedded_gguf_path, load_gguf
 from llmtrace.weights.hf import save_hf
@@ -21,7 +22,11 @@ def state_dict(tiny):
 
 
 def test_one_table_names_every_weight():
-    assert list(LAYER_TENSORS) == [f.name for f in dataclasses.fields(LayerWeights)]
+    # and a mixture of experts' layer holds its MoeWeights, named by moe_hf_names; latent
+    # attention's layer its MlaWeights, named by MLA_TENSORS
+    assert [*LAYER_TENSORS, "moe", "mla"] == [f.name for f in dataclasses.fields(LayerWeights)]
+    assert {f.split(".")[1] for f in MLA_TENSORS} == {f.name for f in dataclasses.fields(
+        MlaWeights)}
     assert set(MODEL_TENSORS) == {f.name for f in dataclasses.fields(Weights)} - {"layers"}
     shapes = expected_shapes(Config.from_name("tinyllama-1.1b"))
     assert shapes["model.layers.21.self_attn.k_proj.weight"] == (256, 2048)

@@ -37,7 +37,10 @@ def hf_end_ids(hf) -> tuple:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_key_left_out_gets_hfs_default(tmp_path, family):
-    ours, hf = both(tmp_path, {"model_type": family, **SHAPES})
+    vocab = {"vocab_size": 128256} if family == "smollm3" else {}  # its default ids: 128000...
+    # DeepseekV2Config's num_experts_per_tok is None: no model; llmtrace asks for it
+    routed = {"num_experts_per_tok": 6} if family == "deepseek_v2" else {}
+    ours, hf = both(tmp_path, {"model_type": family, **SHAPES, **vocab, **routed})
     assert type(hf).__name__ == families.REGISTRY[family].config_class
     if family == "gemma4_text":  # its full layers' head_dim is theirs (per_layer_config)
         full = hf.layer_types.index("full_attention")
@@ -52,7 +55,9 @@ def test_a_key_left_out_gets_hfs_default(tmp_path, family):
         assert ours.rope_theta == rope["full_attention"]["rope_theta"]
         assert ours.rope_partial == rope["full_attention"]["partial_rotary_factor"]
         assert ours.rope_local_theta == rope["sliding_attention"]["rope_theta"]
-    assert ours.n_kv_heads == hf.num_key_value_heads
+    # latent attention has a K and V per head, whatever num_key_value_heads says (HF reads none)
+    latent = family in families.MLA_COMPUTED
+    assert ours.n_kv_heads == (hf.num_attention_heads if latent else hf.num_key_value_heads)
     width = getattr(hf, "head_dim", None)  # Qwen2Config has none: hidden / heads
     assert ours.head_dim == (hf.hidden_size // 32 if width is None else width)
     assert ours.max_positions == hf.max_position_embeddings
@@ -68,9 +73,17 @@ def test_a_key_left_out_gets_hfs_default(tmp_path, family):
         assert ours.rope_local_theta == rope["sliding_attention"]["rope_theta"]
         assert ours.attn_scale == hf.query_pre_attn_scalar ** -0.5
         assert ours.layer_types == tuple(t.split("_")[0] for t in hf.layer_types)
+    elif family == "olmo3":  # a base per kind, the same by default; every fourth layer full
+        assert ours.rope_theta == rope["full_attention"]["rope_theta"]
+        assert (ours.rope_local_theta or ours.rope_theta) == rope["sliding_attention"][
+            "rope_theta"]
+        assert ours.layer_types == tuple(t.split("_")[0] for t in hf.layer_types)
     else:
         assert ours.rope_theta == rope["rope_theta"]
-    if family in ("mistral", "gemma3_text"):
+    if family == "smollm3":  # no_rope_layer_interval 4: no layer of 2 without RoPE
+        assert ours.no_rope_layers == () and hf.no_rope_layers == [1, 1]
+        assert ours.sliding_window == 0 and hf.use_sliding_window is False
+    if family in ("mistral", "gemma3_text", "olmo3"):
         assert ours.sliding_window == hf.sliding_window == 4096
 
 

@@ -403,12 +403,22 @@ WRONG = {
     "patch_country": [(lambda stream, other, pos: other.clone(), "only the country's position")],
     "head_logit_attribution": [(dla_own_rms, "freeze the final norm's divisor")],
     "sliding_window_mask": [(window_sees_one_more, "off by one")],
+    "choose_experts": [(lambda logits, k: torch.topk(torch.softmax(logits, -1), k, -1)[::-1],
+                        "renormalize")],
+    "layers_without_rope": [(lambda acts, n: [i for i in range(n) if not torch.equal(
+        acts[f"layers.{i}.attn.rope_q"], acts[f"layers.{i}.attn.q"])], "RoPE turned")],
+    "rebuild_kv": [(lambda lat, kv_b, H, dn: tuple(reversed(rebuild_kv(lat, kv_b, H, dn))),
+                    "its key part")],
     "kv_source_layers": [(lambda types, n: list(range(len(types))), "compute no K, V"),
                          (lambda types, n: [min(j for j in range(len(types) - n)
                                                 if types[j] == t) if i >= len(types) - n
                                             else i for i, t in enumerate(types)],
                           "the LAST layer of its kind")],
 }
+
+
+def rebuild_kv(latent, kv_b, n_heads, nope_dim):
+    return solution("rebuild_kv")(latent, kv_b, n_heads, nope_dim)
 
 
 def test_every_exercise_has_a_wrong_version():

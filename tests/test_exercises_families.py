@@ -14,7 +14,12 @@ from llmtrace import load_model
 from tiny_checkpoint import ROWS, make_tiny_checkpoint
 
 # the families whose blocks the exercises do not build yet, and why
-NOT_EXERCISED = {"olmo2": "no norm before a sublayer, and the exercises read attn_norm's input",
+NOT_EXERCISED = {**{f: "no norm before a sublayer, and the exercises read attn_norm's input"
+                    for f in ("olmo2", "olmo3")},
+                 **{f: "a mixture of experts: the exercises build the dense SwiGLU MLP"
+                    for f in ("mixtral", "qwen3_moe", "qwen3_moe_sparse")},
+                 **{f: "latent attention: the exercises build K and V by GQA's projections"
+                    for f in ("deepseek_v3", "deepseek_v2")},
                  "gemma4_text": "layers of several widths, some reading another's K, V, and a "
                                 "per-layer input: the exercises build a Llama block"}
 FAMILIES = [f for f in ROWS if f not in NOT_EXERCISED]

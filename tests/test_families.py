@@ -136,7 +136,7 @@ def test_window_mask_is_hfs_rule(start, T_, w):
 def test_config_round_trip_through_hf(f):
     """to_hf writes what HF's class of the family reads back to the same switches."""
     c = Config.from_hf(make_config_json(f), name="x")
-    assert c.family == ("llama" if f == "llama3" else f)
+    assert c.family == hf_config(f).model_type
     assert Config.from_hf(c.to_hf(), name="x") == c
     hf_class = getattr(transformers, ROWS[f].config_class)
     back = hf_class(**{k: v for k, v in c.to_hf().items() if k != "architectures"})
@@ -144,7 +144,9 @@ def test_config_round_trip_through_hf(f):
 
 
 def test_configs_hf_cannot_compute_are_refused():
-    with pytest.raises(LlmTraceError, match=r"rope_scaling=\{'rope_type': 'yarn'.* is not Llama"):
+    with pytest.raises(LlmTraceError, match=r"rope_scaling=\{'rope_type': 'dynamic'.* is not Llama"):
+        Config.from_name("llama-3.2-1b").replace(rope_scaling={"rope_type": "dynamic"})
+    with pytest.raises(LlmTraceError, match="rope_scaling of type 'yarn' needs a positive factor"):
         Config.from_name("llama-3.2-1b").replace(rope_scaling={"rope_type": "yarn"})
     with pytest.raises(LlmTraceError, match="qk_norm=True set with family 'llama': HF's Llama"):
         Config.from_name("tinyllama").replace(qk_norm=True).to_hf()

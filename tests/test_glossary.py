@@ -14,6 +14,8 @@ def recorded_names() -> set[str]:
     """Every name a forward pass and a top-k / top-p sampling step record, layer index as N."""
     prefill, decode = trace_shapes("tinyllama-1.1b", 6, 1)
     names = {re.sub(r"^layers\.\d+\.", "layers.N.", n) for n in prefill.names + decode.names}
+    for t in trace_shapes("deepseek-v3", 6, 1):  # latent attention, DeepSeek's experts
+        names |= {re.sub(r"^layers\.\d+\.", "layers.N.", n) for n in t.names}
     step = Trace()
     sample(torch.randn(100), 0.8, top_k=10, top_p=0.9, generator=torch.Generator(), trace=step)
     return names | set(step.names)

@@ -37,7 +37,7 @@ from llmtrace import Config, LlmTraceError, load_model
      "use_sliding_window=true (a window on the layers from max_window_layers on"),
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not a Llama-family model"),
     ({"num_local_experts": 8}, "a mixture of experts (num_local_experts=8: each token"),
-    ({"model_type": "qwen3_moe"}, "a mixture of experts (model_type 'qwen3_moe'"),
+    ({"model_type": "qwen2_moe"}, "a mixture of experts (model_type 'qwen2_moe'"),
     ({"kv_lora_rank": 512}, "multi-head latent attention (kv_lora_rank=512: K and V"),
     ({"attn_logit_softcapping": 50.0}, "attention logit soft-capping (attn_logit_softcapping=50"),
     ({"final_logit_softcapping": 30.0}, "soft-capping (final_logit_softcapping=30.0"),
@@ -52,7 +52,7 @@ def test_config_values(ckpt, change, says):
 
 def test_unsupported_says_what_is_computed(ckpt):
     edit_config(ckpt, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
-    with pytest.raises(LlmTraceError, match="llmtrace computes dense Llama-family models"):
+    with pytest.raises(LlmTraceError, match="llmtrace computes Llama-family models"):
         load_model(ckpt)
 
 

@@ -208,8 +208,6 @@ def test_records_and_macs():
                        .expand(B, S, H, DR))
 
 
-@pytest.mark.xfail(strict=True, reason="attend counts weights @ v at q's width (dn + dr), "
-                   "not v's (dv): MLA's heads differ in the two")
 def test_weighted_sum_macs_at_v_width():
     *_, traces = _run_both(3, True, "default")
     S = PREFILL + STEPS

@@ -12,11 +12,16 @@ from llmtrace import Config, meta_model, trace_shapes
 from llmtrace.cost import parameter_count
 
 # the totals the model cards and the HF hub's safetensors metadata give (a float: in billions,
-# as rounded where only that is published)
+# as rounded where only that is published: Mixtral's 46.7B from Mistral's announcement, Qwen's
+# 30.5B from Qwen3-30B-A3B's model card)
 PUBLISHED = {"llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248,
-             "qwen3-0.6b": 596_049_920, "mistral-7b-v0.1": 7_241_732_096, "olmo-2-1b": 1.48}
+             "qwen3-0.6b": 596_049_920, "mistral-7b-v0.1": 7_241_732_096, "olmo-2-1b": 1.48,
+             "mixtral-8x7b": 46.7, "qwen3-30b-a3b": 30.5,
+             "olmo-3-7b": 7.3, "smollm3-3b": 3.08}  # SmolLM3-3B's card: 3.08B; OLMo 3's
+# only says "7B" (7B and 32B scales): 7.30B is its HF class's count, to two digits
 FAMILY = {"llama-3.2-1b": "llama", "llama-3.1-8b": "llama", "qwen3-0.6b": "qwen3",
-          "mistral-7b-v0.1": "mistral", "olmo-2-1b": "olmo2"}
+          "mistral-7b-v0.1": "mistral", "olmo-2-1b": "olmo2", "mixtral-8x7b": "mixtral",
+          "qwen3-30b-a3b": "qwen3_moe", "olmo-3-7b": "olmo3", "smollm3-3b": "smollm3"}
 
 
 def hf_meta_count(c: Config) -> int:
@@ -37,11 +42,14 @@ def test_parameter_count(name):
     weights = meta_model(c).weights
     tensors = {id(t): t for t in [weights.embed, weights.final_norm, weights.lm_head]}
     for lw in weights.layers:
-        tensors.update({id(t): t for t in vars(lw).values() if t is not None})
+        tensors.update({id(t): t for t in vars(lw).values() if isinstance(t, torch.Tensor)})
+        if lw.moe is not None:  # the experts, stacked
+            tensors.update({id(t): t for t in vars(lw.moe).values() if t is not None})
     assert parameter_count(c) == sum(t.numel() for t in tensors.values())
     assert parameter_count(c) == hf_meta_count(c)
     published = PUBLISHED[name]
-    assert (round(parameter_count(c) / 1e9, 2) if isinstance(published, float)
+    digits = len(str(published).split(".")[1]) if isinstance(published, float) else 0
+    assert (round(parameter_count(c) / 1e9, digits) if isinstance(published, float)
             else parameter_count(c)) == published
 
 

@@ -46,6 +46,29 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                "original_max_position_embeddings": 64}
 SHARP = {**TINY, "initializer_range": 0.1}
 QK_NORM = frozenset({"attn.q_norm.mean_sq", "attn.q_norm", "attn.k_norm.mean_sq", "attn.k_norm"})
+# a mixture of experts' records in place of the dense MLP's (moe.py)
+MOE = frozenset({"mlp.router", "mlp.router_probs", "mlp.experts_chosen", "mlp.expert_weights",
+                 "mlp.expert_out", "mlp.out"})
+DENSE_MLP = frozenset({"mlp.gate", "mlp.up", "mlp.act", "mlp.gated", "mlp.down"})
+QWEN3_MOE = {**SHARP, "head_dim": 24, "num_experts": 4, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 48}
+DEEPSEEK_V3 = dict(
+    vocab_size=32000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,  # 4 x 16
+    initializer_range=0.1, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                     "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
+                     "mscale": 1.0, "mscale_all_dim": 0.7},  # unequal: cos, sin scaled too
+    first_k_dense_replace=1, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+    num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+    norm_topk_prob=True)
+MLA_RECORDS = frozenset({"attn.kv_a", "attn.kv_cache.k_rope", "attn.kv_cache.latent",
+                         "attn.kv_up", "attn.latent", "attn.latent_norm",
+                         "attn.latent_norm.mean_sq", "attn.q_a", "attn.q_a_norm",
+                         "attn.q_a_norm.mean_sq"})
+GQA_ONLY = frozenset({"attn.k_expanded", "attn.k_proj", "attn.kv_cache.k", "attn.kv_cache.v",
+                      "attn.v_expanded", "attn.v_proj"})
 ROWS = {
     "llama": Row("LlamaConfig", "LlamaForCausalLM", TINY),
     "llama3": Row("LlamaConfig", "LlamaForCausalLM", {**SHARP, "rope_parameters": LLAMA3_ROPE},
@@ -83,6 +106,61 @@ ROWS = {
                                     "mlp_post_norm.mean_sq", "mlp_post_norm"},
                  lacks=frozenset({"attn_norm.mean_sq", "attn_norm", "mlp_norm.mean_sq",
                                   "mlp_norm"})),
+    # a mixture of experts: 4 experts, 2 chosen per position, in every layer; a window of 4
+    "mixtral": Row("MixtralConfig", "MixtralForCausalLM",
+                   {**SHARP, "sliding_window": 4, "num_local_experts": 4,
+                    "num_experts_per_tok": 2},
+                   off=({"moe_renormalize": False}, {"sliding_window": 0}),
+                   records=MOE | {"attn.window_mask"}, lacks=DENSE_MLP),
+    # Qwen3-MoE as published: norm_topk_prob true, experts in every layer
+    "qwen3_moe": Row("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**QWEN3_MOE,
+                                                               "norm_topk_prob": True},
+                     off=({"moe_renormalize": False}, {"qk_norm": False}),
+                     records=QK_NORM | MOE, lacks=DENSE_MLP),
+    # and the class's defaults otherwise: norm_topk_prob false; layer 0 dense (every 2nd layer
+    # MoE, decoder_sparse_step 2); with use_sliding_window, a window on every layer
+    "qwen3_moe_sparse": Row(
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        {**QWEN3_MOE, "norm_topk_prob": False, "decoder_sparse_step": 2,
+         "use_sliding_window": True, "sliding_window": 4},
+        off=({"moe_renormalize": True}, {"moe_router": "topk_softmax"}, {"qk_norm": False},
+             {"sliding_window": 0}),
+        records=QK_NORM | {"attn.window_mask"}),  # layer 0 is dense
+    # OLMo 2 with three sliding layers to one full (window 4 < the prompt), a base per kind
+    "olmo3": Row("Olmo3Config", "Olmo3ForCausalLM",
+                 {**{k: v for k, v in SHARP.items() if k != "rope_theta"},
+                  "num_hidden_layers": 4, "sliding_window": 4,
+                  "rope_parameters": {"full_attention": {"rope_type": "default",
+                                                         "rope_theta": 1e4},
+                                      "sliding_attention": {"rope_type": "default",
+                                                            "rope_theta": 5e5}}},
+                 off=({"qk_proj_norm": False}, {"pre_norm": True, "sandwich_norm": False},
+                      {"layer_types": ("full",) * 4}, {"rope_local_theta": 0.0}),
+                 records=QK_NORM | {"attn.window_mask", "attn_post_norm.mean_sq",
+                                    "attn_post_norm", "mlp_post_norm.mean_sq", "mlp_post_norm"},
+                 lacks=frozenset({"attn_norm.mean_sq", "attn_norm", "mlp_norm.mean_sq",
+                                  "mlp_norm"})),
+    # no RoPE on layer 3 of 4 (no_rope_layer_interval's default, 4), which also slides (window 4)
+    "smollm3": Row("SmolLM3Config", "SmolLM3ForCausalLM",
+                   {**SHARP, "num_hidden_layers": 4, "use_sliding_window": True,
+                    "sliding_window": 4, "pad_token_id": None},  # its 128004 is past 32000
+                   off=({"no_rope_layers": ()}, {"layer_types": (), "sliding_window": 0})),
+    # latent attention (queries through a latent of their own), YaRN stretching a 16-position
+    # context 4 times, a dense first layer, then 8 experts in 4 groups: 2 groups chosen, 2
+    # experts of them, sigmoid scores moved by a random bias, one shared expert
+    "deepseek_v3": Row("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK_V3,
+                       off=({"rope_interleave": False}, {"rope_scaling": ()},
+                            {"moe_groups_chosen": 4}, {"moe_scaling": 1.0},
+                            {"moe_renormalize": False}),
+                       records=MLA_RECORDS, lacks=GQA_ONLY),
+    # V2-Lite's form: one q_proj, a softmax router, never renormalized
+    "deepseek_v2": Row("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                       {**DEEPSEEK_V3, "q_lora_rank": None, "n_group": None, "topk_group": None,
+                        "routed_scaling_factor": 1.5, "norm_topk_prob": False},
+                       off=({"rope_scaling": ()}, {"moe_scaling": 1.0},
+                            {"moe_renormalize": True}),
+                       records=MLA_RECORDS - {"attn.q_a", "attn.q_a_norm",
+                                              "attn.q_a_norm.mean_sq"}, lacks=GQA_ONLY),
     # Gemma 4: sliding and full layers of different widths (16, 32), V from K's projection on
     # the full ones, the last two layers reading layers 2 and 3's K, V, per-layer inputs of 8,
     # partial RoPE at a base of 100 (the pairs left still would turn within 11 positions), a
@@ -140,9 +218,11 @@ def make_tiny_checkpoint(directory: str | Path, seed: int = 0, family: str = "ll
                 p.uniform_(*row.norms)
             elif name.endswith(".bias"):  # HF initialises biases to 0
                 p.normal_(0.0, 0.5)
-        for name, b in model.named_buffers():  # Gemma 4's layer_scalar: HF starts it at 1
-            if name.endswith("layer_scalar"):
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's layer_scalar: HF starts it at 1
                 b.uniform_(0.5, 1.5)
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias, 0 in HF
+                b.normal_(0.0, 0.05)  # choosing, not overriding, the scores
     model.save_pretrained(d, safe_serialization=True)
     if config.vocab_size == 32000:
         shutil.copy(build(fetch=False), d / "tokenizer.model")

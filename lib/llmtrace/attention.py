@@ -83,14 +83,14 @@ class Positions:
         window = window_mask(T, S, start, W, device) if W else None
         if not config.layer_types:  # every layer alike (Mistral: all slide)
             return cls(start, cos, sin, causal, window)
-        # Gemma 3: full layers see every earlier key; sliding layers see
-        # the window, and turn at a RoPE base of their own
+        # Gemma 3, OLMo 3: full layers see every earlier key; sliding layers the window
         local = config.rope_local_theta or config.rope_theta
         local_cos, local_sin = rope_cos_sin(positions, config.head_dim, local)
+        base = config.rope_theta if local != config.rope_theta else 0.0  # said if they differ
         shared = {}
-        return cls(start, cos, sin, causal, None, config.rope_theta,
-                   cls(start, local_cos, local_sin, causal, window, local, shared=shared),
-                   shared=shared)
+        return cls(start, cos, sin, causal, None, base,
+                   cls(start, local_cos, local_sin, causal, window, base and local,
+                       shared=shared), shared=shared)
 
 
 def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0,
@@ -119,14 +119,15 @@ def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0,
             mask = trace.record(f"{name}.window_mask", what,
                                 mask + window)  # [T, S]
         scores = trace.record(f"{name}.masked_scores", f"scores + {kind}",
-                              scores + mask)  # [B, H, T, S]
+                              scores + mask,  # [B, H, T, S]
+                              recompute=(torch.add, f"{name}.scores", f"{name}.{kind}"))
     if sinks is not None:  # gpt-oss: the sink column takes its share, then goes
         weights = sink_softmax(scores, sinks, trace, name)  # [B, H, T, S]
     else:
         weights = trace.record(f"{name}.weights", "softmax over keys (rows sum to 1)",
                                F.softmax(scores, dim=-1))  # [B, H, T, S]
     return trace.record(f"{name}.weighted_sum", "weights @ v",
-                        weights @ v, lead * T * S * d)  # [B, H, T, d]
+                        weights @ v, lead * T * S * v.shape[-1])  # [B, H, T, dv]
 
 
 def sink_softmax(scores, sinks, trace=NO_TRACE, name="attn"):
@@ -224,18 +225,28 @@ def attention(x, w, config, pos: Positions, cache=None, trace=NO_TRACE, name="at
 
     # Heads first, then GQA: repeat each KV head for the query heads that share it.
     q = q.transpose(1, 2)  # [B, H, T, hd]
-    k_exp = repeat_kv(k_all.transpose(1, 2), config.n_rep)  # [B, H, S, hd]
-    k_exp = trace.record(f"{name}.k_expanded", f"GQA: {KV} -> {H} heads", k_exp)
-    v_exp = repeat_kv(v_all.transpose(1, 2), config.n_rep)  # [B, H, S, hd]
-    v_exp = trace.record(f"{name}.v_expanded", f"GQA: {KV} -> {H} heads", v_exp)
+
+    def expand(kv):  # [B, S, KV, hd] -> [B, H, S, hd]; rerun when its record is read
+        return repeat_kv(kv.transpose(1, 2), config.n_rep)
+
+    k_exp = trace.record(f"{name}.k_expanded", f"GQA: {KV} -> {H} heads", expand(k_all),
+                         recompute=(expand, f"{name}.kv_cache.k"))  # [B, H, S, hd]
+    v_exp = trace.record(f"{name}.v_expanded", f"GQA: {KV} -> {H} heads", expand(v_all),
+                         recompute=(expand, f"{name}.kv_cache.v"))  # [B, H, S, hd]
 
     out = attend(q, k_exp, v_exp, pos.mask, trace, name, start, pos.window,
                  config.attn_scale)  # [B, H, T, hd]
 
+    heads = f"{name}.weighted_sum"  # what the merge reads
     if output_gate:  # Qwen3-Next: each head's output times the sigmoid of its gate
         out = trace.record(f"{name}.output_gate", "weighted_sum * sigmoid(gate)",
                            out * torch.sigmoid(gate).transpose(1, 2))  # [B, H, T, hd]
-    out = out.transpose(1, 2).reshape(B, T, H * hd)  # [B, T, H*hd]
-    out = trace.record(f"{name}.merged", "heads back side by side", out)
+        heads = f"{name}.output_gate"
+
+    def merge(o):  # [B, H, T, hd] -> [B, T, H*hd]
+        return o.transpose(1, 2).reshape(B, T, H * hd)
+
+    out = trace.record(f"{name}.merged", "heads back side by side", merge(out),
+                       recompute=(merge, heads))  # [B, T, H*hd]
     out = F.linear(out, w.o_proj)  # [B, T, D]
     return trace.record(f"{name}.out", "merged @ W_o^T", out, B * T * H * hd * D)

@@ -18,7 +18,10 @@ from .errors import LlmTraceError
 INT_FIELDS = {"vocab_size": 1, "hidden_size": 1, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1,
               "ffn_size": 1, "max_positions": 1, "head_dim": 0, "bos_id": 0, "eos_id": 0,
               "sliding_window": 0, "global_head_dim": 0, "global_kv_heads": 0,
-              "kv_shared_layers": 0, "ple_size": 0, "ple_vocab": 0}
+              "kv_shared_layers": 0, "ple_size": 0, "ple_vocab": 0, "n_experts": 0,
+              "n_experts_active": 0, "moe_ffn_size": 0, "kv_lora_rank": 0, "q_lora_rank": 0,
+              "qk_nope_head_dim": 0, "v_head_dim": 0, "n_shared_experts": 0, "moe_groups": 1,
+              "moe_groups_chosen": 1}
 OPTIONAL_IDS = ("bos_id", "eos_id")  # None: the model has none
 
 
@@ -42,7 +45,7 @@ def config_problems(v: dict, key=str) -> list[str]:
             problems.append(f"{key(field)}={value!r} must be a finite number")
         elif value < 0 or (value == 0 and rule == "positive"):
             problems.append(f"{key(field)}={value:g} must be {rule}")
-    for field in ("attn_scale", "rope_local_theta", "final_softcap"):
+    for field in ("attn_scale", "rope_local_theta", "final_softcap", "moe_scaling"):
         value = v[field]
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not math.isfinite(value) or value < 0:
@@ -50,7 +53,7 @@ def config_problems(v: dict, key=str) -> list[str]:
     if v["mlp_act"] not in MLP_ACTS:
         problems.append(f"mlp_act={v['mlp_act']!r} must be one of {', '.join(MLP_ACTS)}")
     for field in ("qk_proj_norm", "pre_norm", "k_eq_v", "double_wide_mlp", "v_norm",
-                  "layer_scalar"):
+                  "layer_scalar", "rope_interleave"):
         if v[field] is not True and v[field] is not False:
             problems.append(f"{field}={v[field]!r} must be True or False")
     if v["qk_norm"] is True and v["qk_proj_norm"] is True:
@@ -69,10 +72,22 @@ def config_problems(v: dict, key=str) -> list[str]:
         problems.append(f"{key('layer_types')} has sliding layers but {key('sliding_window')}="
                         f"{v['sliding_window']}: give its width")
     problems += gemma4_problems(v, key)
+    problems += moe_problems(v, key)
+    flags = v["no_rope_layers"]
+    if not isinstance(flags, tuple) or any(f not in (0, 1) or isinstance(f, bool) for f in flags):
+        problems.append(f"{key('no_rope_layers')}={flags!r:.60} must be a tuple of 1 (RoPE) or 0 "
+                        f"(none) per layer")
+    elif flags and len(flags) != v["n_layers"]:
+        problems.append(f"{key('no_rope_layers')} names {len(flags)} layers, "
+                        f"{key('n_layers')}={v['n_layers']}")
     scaling = dict(v["rope_scaling"])
-    if scaling and (scaling.get("rope_type") != "llama3" or set(LLAMA3_KEYS) - set(scaling)):
+    if scaling.get("rope_type") == "yarn":  # YaRN (DeepSeek-V3): its keys checked by rope.py
+        problems += yarn_problems(scaling, key)
+    elif scaling and (scaling.get("rope_type") != "llama3" or set(LLAMA3_KEYS) - set(scaling)):
         problems.append(f"{key('rope_scaling')}={scaling} is not Llama 3's (rope_type 'llama3' "
-                        f"and {', '.join(LLAMA3_KEYS)})")
+                        f"and {', '.join(LLAMA3_KEYS)}) nor YaRN's (rope_type 'yarn')")
+    if v["kv_lora_rank"]:
+        problems += mla_problems(v, key)
     return problems or shape_problems(v, key)  # the rest divides by a head count
 
 
@@ -92,6 +107,67 @@ def gemma4_problems(v: dict, key=str) -> list[str]:
     rope = v["rope_partial"]
     if isinstance(rope, bool) or not isinstance(rope, (int, float)) or not 0 <= rope <= 1:
         problems.append(f"{key('rope_partial')}={rope!r} must be a fraction from 0 to 1")
+    return problems
+
+
+def moe_problems(v: dict, key=str) -> list[str]:
+    """What makes the mixture-of-experts fields no model: k of E experts, each expert's own
+    width, a router moe.py computes, each layer's kind of MLP."""
+    problems = []
+    E, k, Fm = v["n_experts"], v["n_experts_active"], v["moe_ffn_size"]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (E, k, Fm)):
+        return problems  # INT_FIELDS says which
+    if E == 0 and (k or Fm):
+        problems.append(f"{key('n_experts_active')}={k} and {key('moe_ffn_size')}={Fm} with "
+                        f"{key('n_experts')}=0: a dense model has no experts; give both 0")
+    if E and not 1 <= k <= E:
+        problems.append(f"{key('n_experts_active')}={k} must lie in 1 .. "
+                        f"{key('n_experts')}={E}: each position goes to k of the E experts")
+    if E and Fm < 1:
+        problems.append(f"{key('moe_ffn_size')}={Fm} must be at least 1: an expert's width")
+    from .moe import ROUTERS
+
+    if v["moe_router"] not in ROUTERS:
+        problems.append(f"moe_router={v['moe_router']!r} must be one of {', '.join(ROUTERS)}")
+    if v["moe_renormalize"] is not True and v["moe_renormalize"] is not False:
+        problems.append(f"{key('moe_renormalize')}={v['moe_renormalize']!r} must be True or "
+                        f"False")
+    kinds = v["mlp_types"]
+    if not isinstance(kinds, tuple) or any(t not in MLP_TYPES for t in kinds):
+        problems.append(f"{key('mlp_types')}={kinds!r} must be a tuple of "
+                        f"{' or '.join(map(repr, MLP_TYPES))}")
+    elif kinds and len(kinds) != v["n_layers"]:
+        problems.append(f"{key('mlp_types')} names {len(kinds)} layers, "
+                        f"{key('n_layers')}={v['n_layers']}")
+    elif "moe" in kinds and not E:
+        problems.append(f"{key('mlp_types')} has MoE layers but {key('n_experts')}=0")
+    G, chosen = v["moe_groups"], v["moe_groups_chosen"]
+    if E and (E % G or not 1 <= chosen <= G or chosen * (E // G) < k):
+        problems.append(f"{key('moe_groups')}={G} groups, {key('moe_groups_chosen')}={chosen} "
+                        f"chosen: the groups must split the {E} experts evenly and the chosen "
+                        f"ones hold the {k} experts each position goes to")
+    return problems
+
+
+def yarn_problems(scaling: dict, key=str) -> list[str]:
+    from .rope import yarn_checked  # rope.py needs no config: no cycle
+
+    try:
+        yarn_checked(scaling)
+    except LlmTraceError as e:
+        return [f"{key('rope_scaling')}: {e}"]
+    return []
+
+
+def mla_problems(v: dict, key=str) -> list[str]:
+    """What makes a latent-attention config no DeepSeek model (HF's DeepseekV3Attention)."""
+    problems = [f"{key(f)}=0 must be at least 1 with {key('kv_lora_rank')} set"
+                for f in ("qk_nope_head_dim", "v_head_dim") if not v[f]]
+    if v["n_kv_heads"] != v["n_heads"]:
+        problems.append(f"{key('n_kv_heads')}={v['n_kv_heads']} must equal {key('n_heads')}="
+                        f"{v['n_heads']}: latent attention rebuilds K and V for every head")
+    if any((v["sliding_window"], v["layer_types"])):
+        problems.append("a sliding window with latent attention is no model computed here")
     return problems
 
 
@@ -170,6 +246,29 @@ class Config:
     v_norm: bool = False  # V normalized per head, with no weight
     layer_scalar: bool = False  # each layer's output times a stored scalar
     final_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
+    # A mixture of experts (Mixtral, Qwen3-MoE): the MLP is E expert MLPs, a router sends each
+    # position to k of them (moe.py); 0 experts is a dense model
+    n_experts: int = 0  # E
+    n_experts_active: int = 0  # k, chosen per position (HF's num_experts_per_tok)
+    moe_ffn_size: int = 0  # each expert's intermediate size (ffn_size stays the dense MLP's)
+    moe_router: str = "softmax_topk"  # moe.ROUTERS: how the router's logits choose and weigh
+    moe_renormalize: bool = True  # the k chosen weights rescaled to sum 1 (norm_topk_prob)
+    mlp_types: tuple = ()  # per layer "dense" or "moe"; () = every layer MoE if n_experts
+    # SmolLM3: per layer 1 (RoPE) or 0 (no RoPE: NoPE), HF's no_rope_layers; () = RoPE everywhere
+    no_rope_layers: tuple = ()
+    # DeepSeek's multi-head latent attention (`mla`): K and V rebuilt from a cached latent of
+    # kv_lora_rank numbers; 0 is grouped-query attention. head_dim is then the rotated part
+    # of each query and key (HF's qk_rope_head_dim), beside qk_nope_head_dim without RoPE
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # the queries' own latent (DeepSeek-V3); 0: one q_proj (V2-Lite)
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # RoPE turns adjacent pairs (2i, 2i+1), as DeepSeek's
+    # DeepSeek's mixture of experts: shared experts every position runs, groups of experts
+    n_shared_experts: int = 0  # one dense MLP n_shared_experts x moe_ffn_size wide
+    moe_groups: int = 1  # the experts split into groups (HF's n_group) ...
+    moe_groups_chosen: int = 1  # ... of which each position chooses the best (topk_group)
+    moe_scaling: float = 1.0  # the chosen experts' weights' factor (routed_scaling_factor)
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # as HF writes it: keep it hashable, in order
@@ -196,6 +295,11 @@ class Config:
         (its config.json says eos_token_id: null), which stops only at max_new_tokens."""
         return tuple(i for i in (self.eos_id, *self.stop_ids) if i is not None)
 
+    @property
+    def qk_rope_head_dim(self) -> int:
+        """Latent attention: the rotated part of each query and key head (head_dim, as HF)."""
+        return self.head_dim
+
     def is_sliding(self, layer: int) -> bool:
         """Does this layer attend through a sliding window? Gemma 3 names each layer's kind;
         without `layer_types`, a window (Mistral) applies to every layer."""
@@ -208,6 +312,17 @@ class Config:
         """Do the layers' attention and MLP differ in shape, or read each other's K, V
         (Gemma 4: `gemma4.config_layer_shapes`)?"""
         return bool(self.v_norm or self.k_eq_v or self.kv_shared_layers or self.global_head_dim)
+
+    def is_moe(self, layer: int) -> bool:
+        """Is this layer's MLP a mixture of experts? Qwen3-MoE may leave some layers dense
+        (`mlp_types`); without it, every layer is MoE when the model has experts."""
+        if self.mlp_types:
+            return self.mlp_types[layer] == "moe"
+        return self.n_experts > 0
+
+    def has_rope(self, layer: int) -> bool:
+        """Does this layer turn q and k by their position? SmolLM3 leaves every fourth alone."""
+        return not self.no_rope_layers or self.no_rope_layers[layer] == 1
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
@@ -253,6 +368,7 @@ class Config:
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 LLAMA3_KEYS = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
 MLP_ACTS = ("silu", "gelu_tanh")
+MLP_TYPES = ("dense", "moe")
 
 
 # Presets by name, as keyword configs (as gpt-fast writes them); `Config.from_name` reads them.
@@ -327,6 +443,53 @@ PRESETS: dict[str, dict] = {
                         global_head_dim=512, kv_shared_layers=20, double_wide_mlp=True,
                         ple_size=256, ple_vocab=262144, rope_partial=0.25, v_norm=True,
                         layer_scalar=True, final_softcap=30.0),
+    # mistralai/Mixtral-8x7B-v0.1 config.json (its sliding_window is null: no window): 8
+    # experts in every layer, 2 chosen per position, each as wide as Mistral-7B's MLP
+    "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32,
+                         n_kv_heads=8, ffn_size=14336, max_positions=32768,
+                         rope_theta=1_000_000.0, family="mixtral", n_experts=8,
+                         n_experts_active=2, moe_ffn_size=14336),
+    # Qwen/Qwen3-30B-A3B config.json: 128 experts of width 768 in every layer
+    # (decoder_sparse_step 1, mlp_only_layers []), 8 chosen, norm_topk_prob true; head_dim 128
+    # though hidden / heads is 64; use_sliding_window false
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, n_layers=48, n_heads=32,
+                          n_kv_heads=4, ffn_size=6144, max_positions=40960,
+                          rope_theta=1_000_000.0, norm_eps=1e-6, bos_id=151643, eos_id=151645,
+                          head_dim=128, family="qwen3_moe", qk_norm=True, n_experts=128,
+                          n_experts_active=8, moe_ffn_size=768, moe_renormalize=True),
+    # allenai/Olmo-3-1025-7B config.json: OLMo 2's block, three sliding layers (window 4096) to
+    # one full; <|endoftext|> 100257 ends, no BOS. Its full layers' YaRN (factor 8 over 8192
+    # positions) is not computed (refused by key in a config.json): shapes only here
+    "olmo-3-7b": dict(vocab_size=100278, hidden_size=4096, n_layers=32, n_heads=32,
+                      n_kv_heads=32, ffn_size=11008, max_positions=65536, rope_theta=500_000.0,
+                      norm_eps=1e-6, bos_id=None, eos_id=100257, family="olmo3",
+                      pre_norm=False, sandwich_norm=True, qk_proj_norm=True,
+                      sliding_window=4096, layer_types=(("sliding",) * 3 + ("full",)) * 8),
+    # HuggingFaceTB/SmolLM3-3B config.json: no RoPE on every fourth layer (3, 7, ..., 35), tied
+    # head, <|im_end|> 128012 ends
+    "smollm3-3b": dict(vocab_size=128256, hidden_size=2048, n_layers=36, n_heads=16,
+                       n_kv_heads=4, ffn_size=11008, max_positions=65536,
+                       rope_theta=5_000_000.0, norm_eps=1e-6, tied_lm_head=True, bos_id=128000,
+                       eos_id=128012, family="smollm3", no_rope_layers=(1, 1, 1, 0) * 9),
+    # deepseek-ai/DeepSeek-V3 config.json: latent attention (kv_lora_rank 512, q_lora_rank 1536,
+    # 128 heads of 128 + 64 rotated, values of 128), YaRN (type yarn, factor 40, mscale 1,
+    # mscale_all_dim 1, beta_fast 32, beta_slow 1, original_max_position_embeddings 4096) to
+    # max_position_embeddings 163840; 3 dense layers (intermediate_size 18432), then 58 layers
+    # of 256 experts of width 2048 in 8 groups (4 chosen), 8 experts per position, 1 shared,
+    # routed_scaling_factor 2.5, norm_topk_prob true. Its multi-token-prediction layer
+    # (num_nextn_predict_layers 1, model.layers.61) is not in HF's class, nor here
+    "deepseek-v3": dict(vocab_size=129280, hidden_size=7168, n_layers=61, n_heads=128,
+                        n_kv_heads=128, ffn_size=18432, max_positions=163840, norm_eps=1e-6,
+                        bos_id=0, eos_id=1, head_dim=64, family="deepseek_v3",
+                        kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+                        v_head_dim=128, rope_interleave=True,
+                        rope_scaling=dict(rope_type="yarn", factor=40.0, mscale=1.0,
+                                          mscale_all_dim=1.0, beta_fast=32, beta_slow=1,
+                                          original_max_position_embeddings=4096),
+                        n_experts=256, n_experts_active=8, moe_ffn_size=2048,
+                        n_shared_experts=1, moe_groups=8, moe_groups_chosen=4,
+                        moe_scaling=2.5, moe_router="sigmoid_group", moe_renormalize=True,
+                        mlp_types=("dense",) * 3 + ("moe",) * 58),
 }
 ALIASES = {"tinyllama": "tinyllama-1.1b", "smollm2": "smollm2-135m", "embedded": "smollm2-135m",
            "7b": "llama-2-7b", "70b": "llama-2-70b", "mistral-7b": "mistral-7b-v0.1"}

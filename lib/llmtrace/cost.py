@@ -13,7 +13,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .config import Config
-from .weights.names import LAYER_TENSORS, tensor_shapes
+from .gemma4 import cache_shape
+from .weights.names import LAYER_TENSORS, MODEL_TENSORS, layers_holding, tensor_shapes
 
 
 @dataclass
@@ -21,12 +22,18 @@ class ParamRow:
     component: str
     shape: tuple[int, ...]
     each: int  # parameters in one copy
-    copies: int  # 1, or the number of layers
+    copies: int  # 1, or the number of layers that hold it
     per_layer: bool
+    active: int = -1  # parameters of one copy a position reads (-1: all; experts: k of E)
 
     @property
     def total(self) -> int:
         return self.each * self.copies
+
+    @property
+    def active_total(self) -> int:
+        """What a position reads of the row: a mixture of experts' k experts of E."""
+        return (self.each if self.active < 0 else self.active) * self.copies
 
 
 def parameter_table(c: Config) -> list[ParamRow]:
@@ -35,10 +42,13 @@ def parameter_table(c: Config) -> list[ParamRow]:
         return varied_parameter_table(c)
     rows = []
     for field, shape in tensor_shapes(c).items():
-        per_layer = field in LAYER_TENSORS
+        if field in BUFFERS:
+            continue
+        per_layer = field not in MODEL_TENSORS
         component = "embedding" if field == "embed" else field
-        copies = c.n_layers if per_layer else 1
-        rows.append(ParamRow(component, shape, math.prod(shape), copies, per_layer))
+        copies = layers_holding(c, field)  # 1 outside the layers
+        rows.append(ParamRow(component, shape, math.prod(shape), copies, per_layer,
+                             active_of(c, field, shape)))
     return rows
 
 
@@ -65,8 +75,24 @@ def layer_rows(c: Config, field: str) -> list[ParamRow]:
     return [ParamRow(field, shape, math.prod(shape), n, True) for shape, n in counts.items()]
 
 
-def parameter_count(c: Config) -> int:
-    return sum(r.total for r in parameter_table(c))
+# tensors a checkpoint holds that are no parameters: DeepSeek-V3's router bias is set by a rule
+# during training, not by gradient (a buffer in HF's class, which counts it in no total)
+BUFFERS = ("moe.score_bias",)
+
+
+def active_of(c: Config, field: str, shape: tuple) -> int:
+    """Parameters of one copy of `field` a position reads: all (-1), but k of a mixture of
+    experts' E stacked experts."""
+    if field in ("moe.gate", "moe.up", "moe.down"):  # [E, ...]: expert e's at [e]
+        return math.prod(shape) // c.n_experts * c.n_experts_active
+    return -1
+
+
+def parameter_count(c: Config, active: bool = False) -> int:
+    """Parameters the model holds; active=True: those one position reads (with a mixture of
+    experts, k of the E experts of each layer; every table and layer else)."""
+    rows = parameter_table(c)
+    return sum(r.active_total if active else r.total for r in rows)
 
 
 def parameter_shares(c: Config) -> dict[str, float]:
@@ -74,7 +100,7 @@ def parameter_shares(c: Config) -> dict[str, float]:
     tables."""
     rows = parameter_table(c)
     total = sum(r.total for r in rows)
-    matrices = sum(r.total for r in rows if r.per_layer and len(r.shape) == 2)
+    matrices = sum(r.total for r in rows if r.per_layer and len(r.shape) >= 2)  # experts: 3D
     norms = sum(r.total for r in rows if len(r.shape) == 1)
     tables = sum(r.total for r in rows if r.component in ("embedding", "lm_head"))
     return {"per_layer_matrices": matrices / total, "norms": norms / total,
@@ -131,10 +157,35 @@ def decode_bytes(c: Config, context: int, batch: int = 1,
                  bytes_per_value: int = 4) -> dict[str, int]:
     """Bytes one decode step must read from memory: every weight matrix once (the embedding lookup
     reads one row; the LM head reads its whole table, which is the embedding table when tied), and
-    K and V of every cached position in every layer."""
+    the cache of every cached position in every layer (K and V; latent attention's latents)."""
     table = c.vocab_size * c.hidden_size
     weights = (parameter_count(c) - (0 if c.tied_lm_head else table)
                + c.hidden_size)  # + the row looked up
-    kv = 2 * c.n_layers * batch * context * c.n_kv_heads * c.head_dim
+    kv = cache_bytes(c, context, 1, batch, capped=False)  # values: the step reads them all
     return {"weights": weights * bytes_per_value, "kv_cache": kv * bytes_per_value,
             "total": (weights + kv) * bytes_per_value}
+
+
+def layer_cache_values(c: Config, layer: int, context: int, capped: bool = True) -> int:
+    """The numbers one layer's cache must hold after `context` positions, per sequence: one
+    branch per kind of layer, so that a new kind of cache is one more branch."""
+    if c.kv_lora_rank:  # latent attention: the latent and the rotated key part (mla.py)
+        return context * (c.kv_lora_rank + c.head_dim)
+    kv, hd = c.n_kv_heads, c.head_dim
+    if c.varied_layers:  # Gemma 4: each layer's own width; one reading another's K, V: none
+        shape = cache_shape(c, layer)
+        if shape is None:
+            return 0
+        kv, hd = shape
+    if capped and c.is_sliding(layer):  # a query sees only the last sliding_window keys
+        context = min(context, c.sliding_window)
+    return context * 2 * kv * hd  # K and V of every KV head
+
+
+def cache_bytes(c: Config, context: int, bytes_per_value: int = 2, batch: int = 1,
+                capped: bool = True) -> int:
+    """Bytes a model's cache must hold after `context` positions (bf16 by default): the sum of
+    its layers' `layer_cache_values`. A sliding layer counts only its window, what an inference
+    cache keeps; capped=False counts every position, as llmtrace's own cache keeps them."""
+    return batch * bytes_per_value * sum(layer_cache_values(c, i, context, capped)
+                                         for i in range(c.n_layers))

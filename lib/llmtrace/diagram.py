@@ -61,10 +61,10 @@ class _FlowTrace(Trace):
         super().__init__(keep_values=False)
         self.flow, self.edges = flow, []
 
-    def record(self, name, op, tensor, macs=0):
+    def record(self, name, op, tensor, macs=0, recompute=None):
         self.edges += [(src, name) for src in self.flow.came_from.get(id(tensor), ())]
         self.flow.mark(tensor, (name,))
-        return super().record(name, op, tensor, macs)
+        return super().record(name, op, tensor, macs, recompute)
 
 
 @functools.lru_cache(maxsize=32)
@@ -74,11 +74,9 @@ def block_flow(config: Config) -> tuple[tuple[str, str], ...]:
     records were made. Found by running one layer of each kind on the meta device and following
     which recorded tensors each recorded tensor derives from: whatever a family records is on
     the map, with the edges its code gives it."""
-    from .model import meta_model
+    from .model import one_layer_of_each_kind
 
-    kinds = tuple(dict.fromkeys(config.layer_types))  # () when every layer is alike
-    one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds,
-                                    kv_shared_layers=0))  # Gemma 4: layer 0 has its own K, V
+    one, _ = one_layer_of_each_kind(config)  # its layer 0 is of layer 0's kind
     with _Flow() as flow:
         trace = _FlowTrace(flow)
         one.forward(torch.zeros(1, 2, dtype=torch.long), trace, one.new_cache(2))
@@ -195,7 +193,10 @@ ATTN_STEPS = [
 ]
 MLP_STEPS = [
     ("mlp_norm", "RMSNorm", ["mlp_norm"]),
-    ("mlp", "SwiGLU MLP", ["mlp.gate", "mlp.up", "mlp.act", "mlp.gated", "mlp.down"]),
+    ("mlp", "SwiGLU MLP", ["mlp.gate", "mlp.up", "mlp.act", "mlp.gated", "mlp.down",
+                           # a mixture of experts (moe.py) in its place
+                           "mlp.router", "mlp.experts_chosen", "mlp.expert_weights",
+                           "mlp.expert_out", "mlp.out"]),
     ("resid_out", "+ x", ["resid_out"]),
 ]
 

@@ -71,11 +71,12 @@ class GraphTrace(Trace):
     no MACs are counted here, and an op that names the length says "T"."""
 
     def __init__(self, length, letter: str = "T"):
-        super().__init__(keep_values=True, label="export")
+        super().__init__(keep_values=True, label="export", pool=None)
         self._length = re.compile(rf"\b{re.escape(str(length))}\b")  # "s27", the symbol of T
         self._letter = letter
 
-    def record(self, name: str, op: str, tensor: torch.Tensor, macs=0) -> torch.Tensor:
+    def record(self, name: str, op: str, tensor: torch.Tensor, macs=0,
+               recompute=None) -> torch.Tensor:
         rec = Record(name, self._length.sub(self._letter, op), tuple(tensor.shape),
                      _dtype_name(tensor.dtype), 0, tensor)
         self.records.append(rec)

@@ -1,22 +1,24 @@
 """Memory for traces that keep every value: the budget a trace must fit, and (opt-in) glibc
 keeping the memory a dropped trace frees.
 
-The budget. A trace that keeps every value holds one fresh tensor per operation: about 650 MiB
-for a 256-token prompt on the embedded model, 17 GiB for 2048 tokens. Before a pass, the model
-counts what its trace would keep (`Model.trace_bytes`) and refuses one over the budget:
-$LLMTRACE_TRACE_BUDGET (bytes, or 8G, 500M), else half the memory available when the pass starts.
+The budget. A trace that keeps every value holds one tensor per operation, less the views and
+the records recomputed when read: about 500 MiB for a 256-token prompt on the embedded model,
+about 12 GiB for 2048 tokens. Before a pass, the model counts what its trace could keep
+(`Model.trace_bytes`, an upper bound) and refuses one over the budget: $LLMTRACE_TRACE_BUDGET
+(bytes, or 8G, 500M), else half the memory available when the pass starts.
 
-Freed memory (opt-in). glibc's malloc hands large freed blocks straight back to the operating
-system, so every traced pass after the first must have the kernel map and zero-fill all that
-memory again, page by page. On the benchmark machine that runs at about 2.3 GB/s, against about
-14 GB/s for writing memory that malloc kept, and it made a traced pass 1.2-1.4x slower than HF's
-plain forward at 256 tokens instead of about 1.05x (`make bench` measures both).
-`keep_freed_memory()` asks glibc to keep what it frees for reuse: blocks up to 32 MiB (glibc's
-largest mmap threshold) come from the heap, and the heap is not trimmed below 1 GiB of free space.
-It is the effect PyTorch's CPU performance guide gets by preloading jemalloc or tcmalloc. The cost:
-the whole process keeps its peak memory after a trace is dropped, so the library never does it by
-itself: call it once, or set LLMTRACE_KEEP_FREED_MEMORY=1 (as the book does). Elsewhere than glibc
-(macOS, musl) it does nothing and returns False.
+Freed memory. glibc's malloc hands large freed blocks straight back to the operating system, so
+memory allocated afresh in every traced pass must be mapped and zero-filled by the kernel again,
+page by page: on the benchmark machine about 2.3 GB/s, against about 14 GB/s for writing memory
+the process kept, which made a traced pass 1.2-1.4x slower than HF's plain forward at 256 tokens.
+The library's own answer is the trace's pool (`trace.TracePool`): a dropped trace returns its
+buffers, and the next trace writes into them; nothing changes for the rest of the process.
+`keep_freed_memory()` is the process-wide alternative, opt-in: it asks glibc to keep what any
+code frees for reuse: blocks up to 32 MiB (glibc's largest mmap threshold) come from the heap,
+and the heap is not trimmed below 1 GiB of free space. It is the effect PyTorch's CPU performance
+guide gets by preloading jemalloc or tcmalloc. The cost: the whole process keeps its peak memory,
+so the library never does it by itself: call it once, or set LLMTRACE_KEEP_FREED_MEMORY=1.
+Elsewhere than glibc (macOS, musl) it does nothing and returns False.
 """
 
 from __future__ import annotations

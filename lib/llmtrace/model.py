@@ -8,7 +8,8 @@ runs on real fp32 weights (values) and on PyTorch's `meta` device (shapes only, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from operator import attrgetter
 
 import torch
 import torch.nn.functional as F
@@ -21,24 +22,27 @@ from .errors import LlmTraceError
 from .gemma4 import (PleWeights, config_layer_shapes, gemma4_attention, layer_scaled,
                      per_layer_inputs, per_layer_residual, softcap)
 from .kv_cache import KVCache
+from .mla import LatentCache, MlaDims, MlaWeights, mla_attention
 from .memory import check_budget, keep_freed_memory_if_asked, needs_estimate
 from .mlp import swiglu
+from .moe import MoeWeights, hf_moe_weights, moe_mlp
 from .norm import rms_norm
 from .trace import NO_TRACE, Patched, Trace
-from .weights.names import LAYER_TENSORS, MODEL_TENSORS, expected_shapes, hf_name
+from .weights.names import (LAYER_TENSORS, MLA_TENSORS, MODEL_TENSORS, expected_shapes, hf_name,
+                            moe_hf_names, tensor_shapes)
 
 
 @dataclass(kw_only=True)
 class LayerWeights:
     attn_norm: torch.Tensor | None = None  # [D]   (None: no norm before a sublayer, OLMo 2)
-    q_proj: torch.Tensor  # [H*hd, D]   (out, in), as F.linear takes it
-    k_proj: torch.Tensor | None = None  # [KV*hd, D]   (None: Gemma 4's shared layers)
-    v_proj: torch.Tensor | None = None  # [KV*hd, D]   (and its full layers with k_eq_v)
-    o_proj: torch.Tensor  # [D, H*hd]
+    q_proj: torch.Tensor | None = None  # [H*hd, D]   (out, in), as F.linear takes it
+    k_proj: torch.Tensor | None = None  # [KV*hd, D]   (None: latent attention's `mla`,
+    v_proj: torch.Tensor | None = None  # [KV*hd, D]   Gemma 4's shared layers, k_eq_v's V)
+    o_proj: torch.Tensor | None = None  # [D, H*hd]
     mlp_norm: torch.Tensor | None = None  # [D]
-    gate: torch.Tensor  # [F, D]
-    up: torch.Tensor  # [F, D]
-    down: torch.Tensor  # [D, F]
+    gate: torch.Tensor | None = None  # [F, D]   (None in a mixture of experts' layer)
+    up: torch.Tensor | None = None  # [F, D]
+    down: torch.Tensor | None = None  # [D, F]
     q_bias: torch.Tensor | None = None  # [H*hd]   qkv_bias (Qwen2)
     k_bias: torch.Tensor | None = None  # [KV*hd]
     v_bias: torch.Tensor | None = None  # [KV*hd]
@@ -50,6 +54,8 @@ class LayerWeights:
     ple_proj: torch.Tensor | None = None  # [D, P]
     ple_norm: torch.Tensor | None = None  # [D]
     layer_scalar: torch.Tensor | None = None  # [1]
+    moe: MoeWeights | None = None  # a mixture of experts in place of gate, up, down (Mixtral)
+    mla: MlaWeights | None = None  # kv_lora_rank (DeepSeek): latent attention's weights
 
 
 @dataclass
@@ -76,13 +82,30 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
                                 f"but the config implies {list(shape)}: "
                                 "the checkpoint and its config.json disagree")
     layers = [LayerWeights(**{f: sd[hf_name(f, i, c)] for f in LAYER_TENSORS
-                              if hf_name(f, i, c) in expected})
+                              if hf_name(f, i, c) in expected
+                              and not (c.kv_lora_rank and f in ("q_proj", "o_proj"))},
+                           mla=mla_weights(c, sd, i) if c.kv_lora_rank else None)
               for i in range(c.n_layers)]
+    for i, lw in enumerate(layers):
+        if c.is_moe(i):  # the experts' matrices stacked, expert e's at [e]
+            lw.moe = hf_moe_weights(sd.__getitem__, f"model.layers.{i}", c.family, c.n_experts)
     embed = sd[hf_name("embed")]
     head = embed if c.tied_lm_head else sd[hf_name("lm_head")]
     extra = {f: sd[hf_name(f)] for f in ("ple_table", "ple_model_proj", "ple_model_norm")
              if hf_name(f) in expected}
     return Weights(embed, layers, sd[hf_name("final_norm")], head, **extra)
+
+
+def mla_weights(c: Config, sd: dict, i: int) -> MlaWeights:
+    """Layer i's latent attention weights, by the names of `MLA_TENSORS`."""
+    shapes = tensor_shapes(c)
+    return MlaWeights(**{f.removeprefix("mla."): sd[hf_name(f, i, c)] for f in MLA_TENSORS
+                         if f in shapes})
+
+
+def mla_dims(c: Config) -> MlaDims:
+    return MlaDims(c.n_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.head_dim, c.v_head_dim,
+                   c.q_lora_rank or None, c.rope_interleave, c.rope_scaling)
 
 
 def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
@@ -92,6 +115,13 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
     for i, lw in enumerate(w.layers):
         sd.update({hf_name(f, i, c): getattr(lw, f) for f in LAYER_TENSORS
                    if getattr(lw, f) is not None})
+        if lw.moe is not None:  # each expert's matrix under its own name
+            for field, names in moe_hf_names(c, i).items():
+                t = attrgetter(field.removeprefix("moe."))(lw.moe)  # "shared.gate" too
+                sd.update({names: t} if isinstance(names, str) else dict(zip(names, t)))
+        if lw.mla is not None:
+            sd.update({hf_name(f, i, c): getattr(lw.mla, f.removeprefix("mla.")) for f in
+                       MLA_TENSORS if getattr(lw.mla, f.removeprefix("mla.")) is not None})
     return sd
 
 
@@ -99,7 +129,10 @@ def attn_sublayer(h, w: LayerWeights, config, pos: Positions, cache=None, trace=
                   name="layers.0") -> torch.Tensor:
     """What attention adds to the stream: attention of the normalized stream h [B, T, D];
     sandwich_norm (Gemma): normalized once more before the add."""
-    if config.v_norm or config.k_eq_v or config.kv_shared_layers or config.global_head_dim:
+    if config.kv_lora_rank:  # DeepSeek: K and V rebuilt from a cached latent
+        h = mla_attention(h, w.mla, mla_dims(config), pos, cache, trace,
+                          f"{name}.attn")  # [B, T, D]
+    elif config.v_norm or config.k_eq_v or config.kv_shared_layers or config.global_head_dim:
         h = gemma4_sublayer(h, w, config, pos, cache, trace, name)  # [B, T, D]: Gemma 4
     else:
         h = attention(h, w, config, pos, cache, trace, f"{name}.attn")  # [B, T, D]
@@ -112,7 +145,14 @@ def attn_sublayer(h, w: LayerWeights, config, pos: Positions, cache=None, trace=
 def mlp_sublayer(h, w: LayerWeights, config, trace=NO_TRACE, name="layers.0") -> torch.Tensor:
     """What the MLP adds to the stream: the FFN of the normalized stream h [B, T, D];
     sandwich_norm (Gemma): normalized once more before the add."""
-    h = swiglu(h, w, trace, f"{name}.mlp", config.mlp_act)  # [B, T, D]
+    if w.moe is not None:  # a mixture of experts: k of E expert MLPs (moe.py)
+        h = moe_mlp(h, w.moe, config.n_experts_active, config.moe_router,
+                    config.moe_renormalize, config.mlp_act, trace=trace,
+                    name=f"{name}.mlp", n_group=config.moe_groups,
+                    topk_group=config.moe_groups_chosen,
+                    scaling=config.moe_scaling)  # [B, T, D]
+    else:
+        h = swiglu(h, w, trace, f"{name}.mlp", config.mlp_act)  # [B, T, D]
     if config.sandwich_norm:
         h = rms_norm(h, w.post_mlp_norm, config.norm_eps, trace,
                      f"{name}.mlp_post_norm", config.norm_offset)  # [B, T, D]
@@ -191,10 +231,14 @@ class Model:
     def is_meta(self) -> bool:
         return self.device.type == "meta"
 
-    def new_cache(self, max_len: int, batch: int = 1) -> list[KVCache | None]:
-        """One `KVCache` per layer, for sequences up to max_len positions. Gemma 4: each of
-        its layer's shape, and None for a layer that reads another's K, V (it keeps none)."""
+    def new_cache(self, max_len: int, batch: int = 1) -> list[KVCache | LatentCache | None]:
+        """One `KVCache` per layer, for sequences up to max_len positions (latent attention:
+        one `LatentCache`, the latent and the rotated key part). Gemma 4: each of its layer's
+        shape, and None for a layer that reads another's K, V (it keeps none)."""
         c, dtype = self.config, self.weights.embed.dtype
+        if c.kv_lora_rank:
+            return [LatentCache(max_len, c.kv_lora_rank, c.head_dim, batch, self.device, dtype)
+                    for _ in range(c.n_layers)]
         if c.varied_layers:
             return [KVCache(max_len, s.n_kv_heads, s.head_dim, batch, self.device, dtype)
                     if s.kv_source == i else None
@@ -221,6 +265,8 @@ class Model:
             layer_cache = None if cache is None else cache[i]
             # Gemma 3: a sliding layer has its own positions (window, RoPE base)
             layer_pos = pos.local if pos.local and c.is_sliding(i) else pos
+            if c.no_rope_layers and not c.has_rope(i):  # SmolLM3: q, k unturned
+                layer_pos = replace(layer_pos, rope=False)
             x = block(x, lw, c, layer_pos, layer_cache, trace,
                       f"layers.{i}")  # [B, T, D]
         x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm",
@@ -309,6 +355,23 @@ def trace_shapes(config: Config | str, prompt: int | torch.Tensor = 6, decode_st
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "bool": 1}
 
 
+def one_layer_of_each_kind(config: Config, **changes) -> tuple[Model, list[list[int]]]:
+    """A meta model of one layer of each kind (its attention's `layer_types` and its MLP's
+    `mlp_types`), and the layers of `config` each of its layers stands for. Gemma 4: every
+    layer, each its own (they differ in shape and read each other's K, V)."""
+    if config.varied_layers or config.ple_size:
+        return meta_model(config.replace(**changes)), [[i] for i in range(config.n_layers)]
+    kind = [(config.layer_types[i] if config.layer_types else None,
+             config.mlp_types[i] if config.mlp_types else None) for i in range(config.n_layers)]
+    kinds = list(dict.fromkeys(kind))
+    one = meta_model(config.replace(
+        n_layers=len(kinds), **changes,
+        no_rope_layers=(),  # a NoPE layer records the same shapes
+        layer_types=tuple(a for a, _ in kinds) if config.layer_types else (),
+        mlp_types=tuple(m for _, m in kinds) if config.mlp_types else ()))
+    return one, [[i for i in range(config.n_layers) if kind[i] == k] for k in kinds]
+
+
 def estimate_trace_bytes(config: Config, T: int, S: int | None = None) -> int:
     """Bytes of a trace that keeps every value, for T new positions attending to S (default T):
     the records of a shapes-only pass on the meta device of one layer of each kind (each layer
@@ -316,14 +379,8 @@ def estimate_trace_bytes(config: Config, T: int, S: int | None = None) -> int:
     stands for, and the records outside the layers once. Whatever a switch adds to the trace is
     counted because the pass records it. A test holds it equal to a real trace's bytes."""
     S = T if S is None else S
-    kinds = tuple(dict.fromkeys(config.layer_types))  # () when every layer is alike
-    bound = max(config.max_positions, S)
-    if config.varied_layers or config.ple_size:  # Gemma 4: every layer, each its own
-        one, copies = meta_model(config.replace(max_positions=bound)), [1] * config.n_layers
-    else:
-        one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds,
-                                        max_positions=bound))  # a bound
-        copies = [config.layer_types.count(kind) for kind in kinds] or [config.n_layers]
+    one, like = one_layer_of_each_kind(config, max_positions=max(config.max_positions, S))
+    copies = [len(layers) for layers in like]
     trace = Trace(keep_values=False)
     one.forward(torch.zeros(1, T, dtype=torch.long), trace, one.new_cache(S), start=S - T)
     total = 0
@@ -338,19 +395,12 @@ def trace_bytes(config: Config, trace: Trace, T: int, decode_steps: int = 0) -> 
     """Bytes the kept values of a prefill of T positions and `decode_steps` one-token steps would
     hold. Every value: `estimate_trace_bytes`. A filter: counted from a shapes-only pass of one
     layer on the meta device (each layer records the same shapes; Gemma 3: one layer of each
-    kind). Each decode step is counted as the last, the largest; views as if they were copies:
-    an upper bound."""
+    kind). Each decode step is counted as the last, the largest; views, and the records a trace
+    recomputes when read, as if they were copies: an upper bound."""
     if trace.keeps_all:  # every value: the closed form, no pass needed
         return estimate_trace_bytes(config, T) + decode_steps * estimate_trace_bytes(
             config, 1, T + decode_steps)
-    kinds = tuple(dict.fromkeys(config.layer_types))  # () when every layer is alike
-    # the layers each layer of `one` stands for
-    if config.varied_layers or config.ple_size:  # Gemma 4: every layer, each its own
-        one, like = meta_model(config), [[i] for i in range(config.n_layers)]
-    else:
-        one = meta_model(config.replace(n_layers=max(len(kinds), 1), layer_types=kinds))
-        like = [[i for i in range(config.n_layers)
-                 if not kinds or config.layer_types[i] == kind] for kind in kinds or [None]]
+    one, like = one_layer_of_each_kind(config)  # like: the layers each layer of one stands for
 
     def kept(ids, cache=None, start=0) -> int:
         t = Trace(keep_values=False)

@@ -2,9 +2,19 @@
 
 Each layer calls `trace.record(name, op, tensor, macs)` once per operation and gets its tensor
 back. Names say where and what, following the module tree: `layers.3.attn.scores`. The record
-keeps the tensor itself (no copy: it is the very tensor the next op reads) unless the trace was
-asked for shapes only or for a subset of names. With tracing off, `NO_TRACE.record` just returns
-the tensor.
+keeps the tensor (the very values the next op reads) unless the trace was asked for shapes only or
+for a subset of names. With tracing off, `NO_TRACE.record` just returns the tensor.
+
+What a trace of every value holds, and where it lives:
+- an op whose output is a cheap function of records kept before it says so
+  (`recompute=(fn, *names)`: the masked scores are scores + mask, GQA's expanded K and V repeat
+  the cache's heads, `merged` lays the heads side by side, the MLP's `act` is silu(gate)); its
+  record keeps no tensor and computes it from those records when read, the same bits as the op;
+- a view of a record (`q` of `q_proj`) and a tensor recorded under several names (the causal
+  mask of every layer) share memory with it;
+- the rest is copied into buffers of a `TracePool`: a dropped trace hands its buffers
+  back, and the next trace writes into memory the process already has instead of fresh pages that
+  the kernel must map and zero one by one (glibc returns a large freed block to it).
 
 A patch changes a named tensor as it flows: `Patched` wraps a trace (or `NO_TRACE`), hands each
 matching operation's output to the patch function, and passes on (and records) what it returns.
@@ -18,7 +28,9 @@ import fnmatch
 import functools
 import inspect
 import re
+import sys
 import textwrap
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -28,18 +40,98 @@ import torch
 from .errors import LlmTraceError
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Record:
     name: str  # where and what: "layers.3.attn.scores"
     op: str  # how it was computed: "q @ k^T / sqrt(64)"
     shape: tuple[int, ...]
     dtype: str  # "float32", "int64"
     macs: int  # multiply-adds this op performed (0 for lookups, reshapes and element-wise ops)
-    tensor: torch.Tensor | None  # None when the trace keeps shapes only or filtered this name out
+    held: torch.Tensor | None  # the tensor kept; None for shapes only, a filtered-out name, or:
+    recipe: tuple | None = None  # (fn, *records): the tensor is fn of theirs, computed when read
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """The recorded tensor (None when the trace keeps none for this name)."""
+        if self.recipe is None:
+            return self.held
+        fn, *inputs = self.recipe
+        with torch.inference_mode():  # as the pass made it
+            return fn(*(r.tensor for r in inputs))
+
+    @property
+    def kept(self) -> bool:
+        """Does reading this record give a tensor (held, or recomputed from held ones)?"""
+        return self.held is not None or self.recipe is not None
 
     def to_dict(self) -> dict:
         return {"name": self.name, "op": self.op, "shape": list(self.shape), "dtype": self.dtype,
                 "macs": self.macs}
+
+
+def _owns_its_memory(t: torch.Tensor) -> bool:
+    """Is t the whole of its storage, laid out densely (an op's fresh output), not a view?"""
+    s = t.untyped_storage()
+    return (t.is_contiguous() and t.storage_offset() == 0
+            and s.nbytes() == t.numel() * t.element_size())
+
+
+def _storage_uses(storage) -> int | None:
+    """How many tensors (and storage objects) share this memory; None if torch cannot say."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if use_count is None else use_count(storage._cdata)
+
+
+class TracePool:
+    """Memory for the kept values of traces, reused from one trace to the next.
+
+    A trace of every value is hundreds of MiB (about 500 for 256 tokens on the embedded model).
+    Allocated afresh in each pass, every page of it is mapped and zero-filled by the kernel on
+    first touch, because glibc's malloc hands a large freed block back to the operating system:
+    for a 256-token pass, some 170,000 page faults, 0.35x of a plain forward. So a trace copies
+    each value it keeps into a buffer of its pool, and a dropped trace returns its buffers here:
+    the next pass of the same shapes writes into memory the process already has. A buffer that
+    something still reads (a tensor or a view kept from the trace) is not returned. The pool
+    holds what the last dropped trace returned, at most one trace's bytes: `clear()` frees it.
+    Nothing changes for the rest of the process (no malloc setting). Every trace uses `POOL`
+    unless given another (pool=None: none, each value kept where its op wrote it).
+    """
+
+    def __init__(self):
+        self._free: dict[tuple, list] = {}  # (shape, stride, dtype, device) -> storages
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        """A tensor laid out as `like`: in returned memory if there is some, else new."""
+        key = (like.shape, like.stride(), like.dtype, like.device)
+        free = self._free.get(key)
+        if not free:
+            return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype,
+                                       device=like.device)
+        out = torch.empty(0, dtype=like.dtype, device=like.device)
+        return out.set_(free.pop(), 0, like.shape, like.stride())
+
+    def give(self, buffers: list[torch.Tensor]) -> None:
+        """A dropped trace's buffers (the list is emptied): the memory of those that nothing
+        else reads (no reference to the tensor, no view of it) replaces what the pool held."""
+        free: dict[tuple, list] = {}
+        while buffers:
+            b = buffers.pop()
+            key = (b.shape, b.stride(), b.dtype, b.device)
+            storage, alive = b.untyped_storage(), weakref.ref(b)
+            del b  # the last reference here: alive() is None unless someone else holds it
+            if alive() is None and _storage_uses(storage) == 1:  # 1: `storage` itself
+                free.setdefault(key, []).append(storage)
+        self._free = free
+
+    def nbytes(self) -> int:
+        """Bytes the pool holds for the next trace."""
+        return sum(s.nbytes() for free in self._free.values() for s in free)
+
+    def clear(self) -> None:
+        self._free = {}
+
+
+POOL = TracePool()  # the traces' pool, unless a trace is given its own
 
 
 def _name_filter(names) -> tuple[Callable[[str], bool], list[str]]:
@@ -67,7 +159,8 @@ class Trace:
     recorded either way, so the data flow stays complete.
     """
 
-    def __init__(self, keep_values: bool = True, names=None, label: str = ""):
+    def __init__(self, keep_values: bool = True, names=None, label: str = "",
+                 pool: TracePool | None = POOL):
         if not isinstance(keep_values, bool):
             raise LlmTraceError(f"keep_values must be True or False, got {keep_values!r}")
         self.keep_values = keep_values
@@ -76,14 +169,64 @@ class Trace:
         self.label = label
         self.records: list[Record] = []
         self._index: dict[str, Record] = {}
+        self.pool = pool  # where kept values are copied to (`TracePool`)
+        self._buffers: list[torch.Tensor] = []  # the pool's buffers this trace's values live in
+        self._storages: set[int] = set()  # their addresses: a view of one is kept as it is
+        self._copies: dict = {}  # id(tensor) -> (weakref to it, its copy): one copy per tensor
 
-    def record(self, name: str, op: str, tensor: torch.Tensor, macs: int = 0) -> torch.Tensor:
+    def record(self, name: str, op: str, tensor: torch.Tensor, macs: int = 0,
+               recompute: tuple | None = None) -> torch.Tensor:
+        """Record one op's output and return the tensor that flows on. recompute=(fn, *names):
+        the output is fn of the tensors of those records (made before it); when they keep their
+        tensors, this record keeps none and computes it when read."""
         keep = self.keep_values and tensor.device.type != "meta" and self._keep(name)
+        held = recipe = None
+        if keep:
+            recipe = self._recipe(recompute)
+            if recipe is None:
+                held = self._hold(tensor)
+                if held.data_ptr() != tensor.data_ptr():  # a copy in the pool's memory flows on
+                    tensor = held
         rec = Record(name, op, tuple(tensor.shape), _dtype_name(tensor.dtype), int(macs),
-                     tensor.detach() if keep else None)
+                     held, recipe)
         self.records.append(rec)
         self._index[name] = rec  # a name recorded twice (never by the model) keeps its latest
         return tensor
+
+    def _recipe(self, recompute) -> tuple | None:
+        """(fn, *records) when every record `recompute` names keeps its tensor, else None."""
+        if recompute is None:
+            return None
+        fn, *names = recompute
+        inputs = [self._index.get(n) for n in names]
+        if not all(r is not None and r.kept for r in inputs):
+            return None
+        return (fn, *inputs)
+
+    def _hold(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor to keep for t: t itself without a pool, when t is a view of memory kept
+        already (a record of this trace, a KV cache) or a tensor the model's pass did not make
+        (made outside inference mode); else a copy in one of the pool's buffers, which flows on
+        in t's place (made once, however many names record t)."""
+        if self.pool is None or t.untyped_storage().data_ptr() in self._storages:
+            return t.detach()
+        ref, copy = self._copies.get(id(t), (None, None))
+        if ref is not None and ref() is t:
+            return copy
+        if not _owns_its_memory(t) or not t.is_inference():  # a view, or not the pass's own
+            return t.detach()  # (the caller's token ids, a sampling step's outside the model)
+        copy = self.pool.take(t).copy_(t.detach())
+        self._buffers.append(copy)
+        self._storages.add(copy.untyped_storage().data_ptr())
+        self._copies[id(t)] = (weakref.ref(t), copy)
+        return copy
+
+    def __del__(self):
+        # the kept values' memory goes back to the pool, for the next trace to write into
+        buffers = getattr(self, "_buffers", None)
+        if buffers and self.pool is not None:
+            self.records, self._index, self._copies, self._buffers = [], {}, {}, []
+            self.pool.give(buffers)
 
     # --- look-ups ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -116,7 +259,7 @@ class Trace:
     def __getitem__(self, name: str) -> torch.Tensor:
         """The recorded tensor: `trace["layers.0.attn.weights"]`."""
         rec = self.get(name)
-        if rec.tensor is None:
+        if not rec.kept:
             why = ("this trace keeps shapes only" if not self.keep_values
                    else "its name was filtered out")
             raise LlmTraceError(f"record {name!r} holds no tensor ({why}): "
@@ -147,11 +290,11 @@ class Trace:
     def nbytes(self) -> int:
         """Bytes of memory the kept tensors occupy. A view (`q` of `q_proj`, a slice of the KV
         cache) and a tensor recorded under several names (the causal mask) share memory: counted
-        once."""
+        once. A record recomputed when read holds none."""
         storages = {}
         for r in self.records:
-            if r.tensor is not None:
-                s = r.tensor.untyped_storage()
+            if r.held is not None:
+                s = r.held.untyped_storage()
                 storages[s.data_ptr()] = s.nbytes()
         return sum(storages.values())
 
@@ -214,7 +357,7 @@ class Trace:
         return [r.to_dict() for r in self.records]
 
     def __repr__(self) -> str:
-        kept = sum(r.tensor is not None for r in self.records)
+        kept = sum(r.kept for r in self.records)
         return (f"Trace({self.label!r}: {len(self.records)} records, {kept} with values, "
                 f"{self.total_macs:,} MACs)")
 
@@ -222,7 +365,7 @@ class Trace:
 class _NoTrace:
     """Tracing off: `record` hands the tensor straight back."""
 
-    def record(self, name, op, tensor, macs=0):
+    def record(self, name, op, tensor, macs=0, recompute=None):
         return tensor
 
 
@@ -259,7 +402,8 @@ class Patched:
             self._shadowed.setdefault(later, matches[0])
         return matches[0] if matches else None
 
-    def record(self, name: str, op: str, tensor: torch.Tensor, macs: int = 0) -> torch.Tensor:
+    def record(self, name: str, op: str, tensor: torch.Tensor, macs: int = 0,
+               recompute: tuple | None = None) -> torch.Tensor:
         self._seen.append(name)
         key = self._key(name)
         if key is not None:
@@ -267,8 +411,9 @@ class Patched:
             out = fn(tensor, name) if arity == 2 else fn(tensor)
             self._check(name, tensor, out)
             self._used.add(key)
-            tensor, op = out, f"{op} [patched]"
-        return self.trace.record(name, op, tensor, macs)
+            # what flows on is the patch's: the record keeps it, recomputes nothing
+            tensor, op, recompute = out, f"{op} [patched]", None
+        return self.trace.record(name, op, tensor, macs, recompute)
 
     def _check(self, name: str, before: torch.Tensor, out) -> None:
         """What a patch returns flows on: it must be what the next operation can read."""

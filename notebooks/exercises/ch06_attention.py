@@ -56,7 +56,8 @@ def attention_from_weights(x, w, config, layer: int) -> torch.Tensor:
     1/sqrt(head_dim), the causal mask, softmax, the weighted sum of the values, heads side by
     side, o_proj. Today's families add: biases on q, k, v (w.q_bias...), a norm on each head of
     q and k (config.qk_norm), a sliding window (config.is_sliding(layer)), a score factor of
-    their own (config.attn_scale), a RoPE base for the sliding layers (rope_local_theta)."""
+    their own (config.attn_scale), a RoPE base for the sliding layers (rope_local_theta), layers
+    without RoPE (not config.has_rope(layer): SmolLM3)."""
     c, (B, T, D) = config, x.shape
     H, KV, hd = c.n_heads, c.n_kv_heads, c.head_dim
     q = F.linear(x, w.q_proj, w.q_bias).view(B, T, H, hd)  # [B, T, H, hd]; bias: Qwen2
@@ -71,7 +72,9 @@ def attention_from_weights(x, w, config, layer: int) -> torch.Tensor:
                              scaling=() if local else c.rope_scaling)  # [hd/2]
     angles = torch.arange(T).float()[:, None] * freqs  # [T, hd/2]
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    q, k = rope_rotate(q, cos, sin).transpose(1, 2), rope_rotate(k, cos, sin).transpose(1, 2)
+    if c.has_rope(layer):  # SmolLM3 leaves every fourth layer's q and k unturned
+        q, k = rope_rotate(q, cos, sin), rope_rotate(k, cos, sin)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, hd], [B, KV, T, hd]
     k = k.repeat_interleave(H // KV, dim=1)  # [B, H, T, hd]
     v = v.transpose(1, 2).repeat_interleave(H // KV, dim=1)  # [B, H, T, hd]
     scores = q @ k.transpose(-2, -1) * (c.attn_scale or 1 / math.sqrt(hd))  # [B, H, T, T]

@@ -73,8 +73,9 @@ def generate_with_cache(prompt_ids: torch.Tensor, weights, config, n_new: int):
                                  scaling=() if local else c.rope_scaling)  # [hd/2]
         angles = torch.arange(start, start + t).float()[:, None] * freqs  # [t, hd/2]
         cos, sin = torch.cat([angles] * 2, -1).cos(), torch.cat([angles] * 2, -1).sin()
-        q = rope_rotate(q, cos, sin).transpose(1, 2)  # [1, H, t, hd]
-        k = rope_rotate(k, cos, sin).transpose(1, 2)  # [1, KV, t, hd]
+        if c.has_rope(i):  # SmolLM3 leaves every fourth layer's q and k unturned
+            q, k = rope_rotate(q, cos, sin), rope_rotate(k, cos, sin)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, H, t, hd], [1, KV, t, hd]
         if cache[i] is not None:  # the earlier positions' K and V, computed once
             k, v = torch.cat([cache[i][0], k], 2), torch.cat([cache[i][1], v], 2)
         cache[i] = (k, v)  # [1, KV, S, hd] each

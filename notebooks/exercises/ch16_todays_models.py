@@ -1,10 +1,11 @@
-"""Chapter 16: a sliding window's mask."""
+"""Chapter 16: a sliding window's mask; a mixture of experts' router."""
 
 import dataclasses
 
 import torch
 
-from llmtrace.model import Model
+from llmtrace.model import Model, Weights
+from llmtrace.moe import MoeWeights
 from llmtrace.trace import Trace
 
 from .registry import PROMPT, Case, caller, exercise
@@ -31,8 +32,8 @@ def _(model) -> Case:
     c = model.config
     every = {"layer_types": ()} if c.layer_types else {}  # every layer slides
     first = dataclasses.replace(model.weights, layers=model.weights.layers[:1])  # layer 0 alone
-    windowed = Model(c.replace(sliding_window=WINDOW, n_layers=1, **every), first,
-                     model.tokenizer)
+    windowed = Model(c.replace(sliding_window=WINDOW, n_layers=1, no_rope_layers=(), **every),
+                     first, model.tokenizer)
     ids = model.encode(PROMPT)  # [1, T]
     T, name = ids.shape[1], "layers.0.attn.window_mask"
     cache = windowed.new_cache(T + 1)
@@ -67,6 +68,169 @@ def _(model) -> Case:
                                "and the cache holds keys 0 .. start + T - 1")])
 
 
+EXPERTS, CHOSEN = 4, 2  # the running model's MLP cut into 4 experts, 2 chosen per position
+
+
+def choose_experts(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral's router. The router's logits [B, T, E] (x @ W_router^T, one per expert) and k
+    -> (ids [B, T, k] int64, weights [B, T, k]): a softmax over the E experts, the k largest
+    probabilities (largest first) and their experts' ids, those k weights divided by their
+    sum, so that they sum to 1."""
+    probs = torch.softmax(logits, dim=-1)  # [B, T, E]
+    weights, ids = torch.topk(probs, k, dim=-1)  # [B, T, k] each, largest first
+    return ids, weights / weights.sum(dim=-1, keepdim=True)  # [B, T, k] each
+
+
+def moe_of_layer_0(model) -> Model:
+    """The running model's layer 0 with its MLP cut into EXPERTS experts (expert e: the e-th
+    quarter of the gate and up rows, and of down's columns) and a router whose row e is the
+    mean of expert e's gate rows: a mixture of experts built from the library's pieces,
+    run as Mixtral runs it."""
+    c, w = model.config, model.weights
+    lw = w.layers[0]
+    F = c.ffn_size // EXPERTS  # each expert's width; a remainder of rows is left out
+    rows = lambda t: t[:EXPERTS * F].reshape(EXPERTS, F, -1)  # noqa: E731  [E, F, D]
+    gate, up = rows(lw.gate), rows(lw.up)  # [E, F, D] each
+    down = lw.down[:, :EXPERTS * F].reshape(-1, EXPERTS, F).transpose(0, 1)  # [E, D, F]
+    moe = MoeWeights(router=gate.mean(dim=1), gate=gate, up=up, down=down)  # router [E, D]
+    layer = dataclasses.replace(lw, gate=None, up=None, down=None, moe=moe)
+    config = c.replace(n_layers=1, layer_types=c.layer_types[:1], n_experts=EXPERTS,
+                       no_rope_layers=c.no_rope_layers[:1],
+                       n_experts_active=CHOSEN, moe_ffn_size=F)
+    return Model(config, Weights(w.embed, [layer], w.final_norm, w.lm_head), model.tokenizer)
+
+
+@exercise(16, choose_experts)
+def _(model) -> Case:
+    """The router's logits that layer 0 of the running model, made a mixture of experts
+    (`moe_of_layer_0`), recorded for the prompt, and the experts and weights it chose."""
+    names = [f"layers.0.mlp.{n}" for n in ("router", "experts_chosen", "expert_weights")]
+    trace = Trace(names=names)
+    moe_of_layer_0(model).forward(model.encode(PROMPT), trace)
+    logits = trace[names[0]]  # [1, T, E]
+    want = (trace[names[1]], trace[names[2]])  # [1, T, k] each
+
+    def unnormalized(logits, k):
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+        return ids, weights
+
+    def from_logits(logits, k):
+        weights, ids = torch.topk(logits, k, dim=-1)
+        return ids, weights
+
+    def smallest(logits, k):
+        ids, weights = choose_experts(-logits, k)
+        return ids, torch.softmax(logits, -1).gather(-1, ids) / (
+            torch.softmax(logits, -1).gather(-1, ids).sum(-1, keepdim=True))
+
+    return Case(caller(logits, CHOSEN), want,
+                f"{CHOSEN} of {EXPERTS} experts and weights {shape(want[0])}",
+                tuple_compare(("ids", "weights"), 1e-5), [
+                    (unnormalized, "renormalize: divide the k chosen probabilities by their "
+                                   "sum, so that they sum to 1"),
+                    (from_logits, "the weights are probabilities: a softmax over the E "
+                                  "logits first"),
+                    (smallest, "the k largest probabilities: torch.topk keeps the largest")])
+
+
+def layers_without_rope(acts: dict, n_layers: int) -> list:
+    """Which layers have no RoPE (SmolLM3's NoPE layers), read off a traced run. acts: for each
+    layer i, `layers.{i}.attn.rope_q` (the queries after RoPE's step) and what that step
+    received: `layers.{i}.attn.q` (`attn.q_norm` in a family that normalizes each head first,
+    Qwen3 or Gemma 3), each [B, T, H, hd]; n_layers: how many -> the indices of the layers whose
+    step left the queries as they were, in order."""
+    unturned = []
+    for i in range(n_layers):
+        before = f"layers.{i}.attn.q_norm"  # what RoPE received, where a head norm came first
+        before = before if before in acts else f"layers.{i}.attn.q"
+        if torch.equal(acts[f"layers.{i}.attn.rope_q"], acts[before]):
+            unturned.append(i)
+    return unturned
+
+
+@exercise(16, layers_without_rope)
+def _(model) -> Case:
+    """The running model's weights with SmolLM3's pattern of layers: no RoPE on every fourth
+    (every n-th in a model of n < 4 layers, so that one layer has none)."""
+    c = model.config
+    every = min(4, c.n_layers)
+    flags = tuple(int((i + 1) % every != 0) for i in range(c.n_layers))
+    nope = Model(c.replace(no_rope_layers=flags), model.weights, model.tokenizer)
+    step = "q_norm" if c.qk_norm else "q"
+    names = [f"layers.{i}.attn.{n}" for i in range(c.n_layers) for n in (step, "rope_q")]
+    _, trace = nope.run(PROMPT, names=names)
+    acts = {n: trace[n] for n in names}
+    want = [i for i in range(c.n_layers) if not nope.config.has_rope(i)]
+
+    def compare(got, want):
+        got = list(got) if isinstance(got, (list, tuple)) else got
+        if got == want:
+            return None
+        return f"got {got!r:.40}, wanted layers {want!r:.40}"
+
+    return Case(caller(acts, c.n_layers), want,
+                f"the {len(want)} NoPE layers of {c.n_layers} (one in {every})",
+                compare, [
+                    (lambda a, n: [i for i in range(n) if i not in want],
+                     "those are the layers RoPE turned: keep the ones it left alone"),
+                    (lambda a, n: [i + 1 for i in want],
+                     "layers count from 0, as their record names do")])
+
+
+def rebuild_kv(latent: torch.Tensor, kv_b: torch.Tensor, n_heads: int,
+               nope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latent attention's keys and values from its cache (DeepSeek-V3). latent [B, S, R], the
+    cached latents; kv_b [H * (dn + dv), R], kv_b_proj's weight, whose rows are head 0's
+    dn key rows and dv value rows, then head 1's... -> (k_nope [B, S, H, dn], v [B, S, H, dv]):
+    every head's key part without RoPE, and its value."""
+    B, S, _ = latent.shape
+    kv = (latent @ kv_b.T).view(B, S, n_heads, -1)  # [B, S, H, dn + dv]
+    return kv[..., :nope_dim], kv[..., nope_dim:]
+
+
+@exercise(16, rebuild_kv)
+def _(model) -> Case:
+    """The running model's layer-0 input (its normed stream for the prompt) through a latent
+    attention layer of random weights of the running model's width, built from the library's
+    pieces (mla.py): the cached latents it records, its kv_b_proj weight, and the keys and
+    values it rebuilt from them."""
+    from llmtrace.attention import Positions
+    from llmtrace.mla import MlaDims, MlaWeights, mla_attention
+
+    D = model.config.hidden_size
+    H, R, dn, dr, dv = 4, 16, 8, 4, 6
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
+    w = MlaWeights(kv_a=rand(R + dr, D), kv_a_norm=torch.ones(R), kv_b=rand(H * (dn + dv), R),
+                   o_proj=rand(D, H * dv), q_proj=rand(H * (dn + dr), D))
+    d = MlaDims(H, R, dn, dr, dv)
+    _, trace = model.run(model.encode(PROMPT), names=["layers.0.attn_norm"])
+    x = trace["layers.0.attn_norm"]  # [1, T, D]
+    T = x.shape[1]
+    pos = Positions.of(0, T, model.config.replace(head_dim=dr), x.device)
+    records = Trace(names=["attn.kv_cache.latent", "attn.k", "attn.v"])
+    mla_attention(x, w, d, pos, trace=records)
+    latent = records["attn.kv_cache.latent"]  # [1, T, R]
+    want = (records["attn.k"][..., :dn], records["attn.v"])  # [1, T, H, dn], [1, T, H, dv]
+
+    def keys_first(latent, kv_b, n_heads, nope_dim):  # all keys' rows, then all values'
+        B, S, _ = latent.shape
+        kv = latent @ kv_b.T  # [B, S, H*(dn+dv)]
+        k = kv[..., :n_heads * nope_dim].reshape(B, S, n_heads, nope_dim)
+        return k, kv[..., n_heads * nope_dim:].reshape(B, S, n_heads, -1)
+
+    return Case(caller(latent, w.kv_b, H, dn), want,
+                f"k_nope {shape(want[0])} and v {shape(want[1])}",
+                tuple_compare(("k_nope", "v"), 1e-5), [
+                    (keys_first, "kv_b_proj's rows go head by head: head 0's dn key rows and "
+                                 "dv value rows, then head 1's; view as [B, S, H, dn + dv] "
+                                 "before splitting"),
+                    (lambda lat, kv_b, H, dn: tuple(reversed(rebuild_kv(lat, kv_b, H, dn))),
+                     "each head's first nope_dim numbers are its key part, the rest its "
+                     "value")])
 def kv_source_layers(layer_types: list, n_shared: int) -> list:
     """Gemma 4's KV sharing. layer_types: "sliding" or "full" for each layer; the last
     n_shared layers compute no K, V of their own -> for each layer, the layer whose K and V

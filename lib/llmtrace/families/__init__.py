@@ -11,6 +11,13 @@ it (`if config.<switch>:`, which the book's listings leave out for Llama), its w
 `weights/names.py`, and name it in `SWITCHES` here (the book's listings read it). Then one row in
 `tests/tiny_checkpoint.py`'s `ROWS` (HF's classes, a tiny config.json, the switches to turn
 off, the records only it has): the parity, map and shape tests read it.
+
+A mixture of experts is fields, not a second wiring: `read` sets n_experts, n_experts_active,
+moe_ffn_size, moe_router (one of moe.ROUTERS), moe_renormalize and, when some layers stay dense,
+mlp_types (per layer "dense" or "moe"); `Config.is_moe(i)` says which layers load a
+`LayerWeights.moe` (moe.MoeWeights), and the block runs `moe.moe_mlp` where it is set. The
+experts' names on disk: moe.HF_EXPERT_NAMES (read by moe.hf_moe_weights and, for the shapes,
+weights/names.py's `moe_hf_names`).
 """
 
 from __future__ import annotations
@@ -42,10 +49,14 @@ class Family:
     # llmtrace does not compute
     biased: tuple = ()  # keys that, true, add a bias llmtrace does not compute
     not_null: tuple = ()  # NULLABLE keys HF's class types as int: a null is refused
+    keys: dict = field(default_factory=dict)  # field -> the config.json key it is read from,
+    # where the family's differs from _read.HF_KEYS' (errors name what the user wrote)
 
 
-# they import Family
-from . import gemma3, gemma4, llama, mistral, olmo2, qwen2, qwen3  # noqa: E402
+from . import gemma3, gemma4, llama, mistral, olmo2, olmo3  # noqa: E402  (they import Family)
+from . import qwen2, qwen3, smollm3  # noqa: E402
+from . import mixtral, qwen3_moe  # noqa: E402  (mixtures of experts)
+from . import deepseek_v2, deepseek_v3  # noqa: E402  (latent attention)
 
 # model_type -> its entry: one line per family
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (
@@ -56,6 +67,12 @@ REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     gemma3.FAMILY,
     olmo2.FAMILY,
     gemma4.FAMILY,
+    mixtral.FAMILY,
+    qwen3_moe.FAMILY,
+    olmo3.FAMILY,
+    smollm3.FAMILY,
+    deepseek_v3.FAMILY,
+    deepseek_v2.FAMILY,
 )}
 # the fields of Config that only some families set; a family sets each to its default, to the
 # value in its `switches`, or (in `varies`) to what its config.json says
@@ -63,13 +80,22 @@ SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "norm_offse
             "sandwich_norm", "pre_norm", "mlp_act", "embed_scale", "attn_scale", "layer_types",
             "rope_local_theta", "global_head_dim", "global_kv_heads", "k_eq_v",
             "kv_shared_layers", "double_wide_mlp", "ple_size", "ple_vocab", "rope_partial",
-            "v_norm", "layer_scalar", "final_softcap")
-COMPUTED = ("llmtrace computes dense Llama-family models "
+            "v_norm", "layer_scalar", "final_softcap", "n_experts", "n_experts_active",
+            "moe_ffn_size", "moe_router", "moe_renormalize", "mlp_types", "kv_lora_rank",
+            "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
+            "n_shared_experts", "moe_groups", "moe_groups_chosen", "moe_scaling",
+            "no_rope_layers")
+COMPUTED = ("llmtrace computes Llama-family models "
             f"({', '.join(f.label for f in REGISTRY.values())})")
-# model_types refused by name, for what they compute instead of a dense Llama block
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "dbrx",
-       "granitemoe", "phimoe", "jamba", "llama4", "gpt_oss")
-MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+# model_types refused by name, for what they compute instead of a Llama block
+MOE = ("qwen2_moe", "olmoe", "dbrx", "granitemoe", "phimoe", "jamba", "llama4", "gpt_oss")
+# the families whose experts are computed (moe.py): their config.json's experts are read
+WITH_EXPERTS = tuple(f.model_type for f in REGISTRY.values() if "n_experts" in f.varies)
+MLA = ("kimi_k2",)
+# the families whose YaRN is computed and checked against their HF class (rope.py)
+YARN = ("deepseek_v3", "deepseek_v2")
+# the families whose latent attention is computed (mla.py)
+MLA_COMPUTED = tuple(f.model_type for f in REGISTRY.values() if "kv_lora_rank" in f.varies)
 SOFTCAP = ("gemma2",)
 FINAL_SOFTCAP = ("gemma4_text",)  # its final_logit_softcapping is computed (gemma4.softcap)
 # a family's text model is computed, not this one
@@ -133,6 +159,12 @@ def write_hf(c: Config) -> dict:
     return family.write(c, {"architectures": [family.model_class], **llama_hf(c)})
 
 
+def listed(labels) -> str:
+    """"A, B and C"."""
+    *rest, last = labels
+    return f"{', '.join(rest)} and {last}" if rest else last
+
+
 def refuse_unsupported(c: dict, where: str) -> None:
     """Settings that change what the model computes, which this forward pass does not implement:
     running such a checkpoint would print wrong logits as if they were right."""
@@ -144,15 +176,20 @@ def refuse_unsupported(c: dict, where: str) -> None:
                             f"MLP) is not implemented for Gemma 4: only its dense models")
     experts = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts")
                     if isinstance(c.get(k), int) and c[k] > 0), None)
-    if experts or family in MOE:
+    if (experts or family in MOE) and family not in WITH_EXPERTS:
         what = f"{experts}={c[experts]}" if experts else f"model_type {family!r}"
+        labels = listed(REGISTRY[f].label for f in WITH_EXPERTS)
         raise LlmTraceError(f"{where}: a mixture of experts ({what}: each token goes through a "
-                            f"few of many MLPs) is not implemented: {COMPUTED}")
+                            f"few of many MLPs) is implemented only as {labels} compute it, "
+                            f"not for model_type {family!r}: {COMPUTED}")
     latent = next((k for k in ("kv_lora_rank", "q_lora_rank") if c.get(k)), None)
+    latent = None if family in MLA_COMPUTED else latent
     if latent or family in MLA:
         what = f"{latent}={c[latent]}" if latent else f"model_type {family!r}"
+        labels = listed(REGISTRY[f].label for f in MLA_COMPUTED)
         raise LlmTraceError(f"{where}: multi-head latent attention ({what}: K and V rebuilt "
-                            f"from a small latent) is not implemented: {COMPUTED}")
+                            f"from a small latent) is implemented for {labels} only: "
+                            f"{COMPUTED}")
     capped = next((k for k in ("attn_logit_softcapping", "final_logit_softcapping")
                    if c.get(k) and not (k == "final_logit_softcapping"
                                         and family in FINAL_SOFTCAP)), None)
@@ -161,9 +198,14 @@ def refuse_unsupported(c: dict, where: str) -> None:
         raise LlmTraceError(f"{where}: attention logit soft-capping ({what}: scores squashed "
                             f"by tanh) is not implemented: {COMPUTED}")
     kind, _ = rope_kind(c)
-    if kind not in ("default", "llama3"):
+    if kind not in ("default", "llama3", "yarn"):
         raise LlmTraceError(f"{where}: rope_scaling of type {kind!r} (RoPE stretched for long "
-                            f"contexts) is not implemented, only Llama 3's 'llama3': {COMPUTED}")
+                            f"contexts) is not implemented, only Llama 3's 'llama3' and "
+                            f"'yarn': {COMPUTED}")
+    if kind == "yarn" and family not in YARN:
+        raise LlmTraceError(f"{where}: rope_scaling of type 'yarn' (RoPE stretched for long "
+                            f"contexts) is implemented for "
+                            f"{listed(REGISTRY[f].label for f in YARN)} only: {COMPUTED}")
     rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
     for label, params in (("partial_rotary_factor", c), ("rope_parameters.partial_rotary_factor",
                                                          rope)):

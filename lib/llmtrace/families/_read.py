@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..config import LLAMA3_KEYS, Config
 from ..errors import LlmTraceError
+from ..rope import yarn_checked
 
 KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false"}
 # The keys whose null HF reads as "none" (no BOS, no end id, no window) or as "derive it"
@@ -64,6 +65,7 @@ class HFKeys:
         self.c, self.where, self.family = c, where, family.model_type
         self.defaults, self.not_null = family.defaults, family.not_null
         self.config_class = family.config_class
+        self.keys = {**HF_KEYS, **family.keys}
         self.left_out: set[str] = set()
 
     def get(self, key: str, kind, default=REQUIRED, least: int | None = None):
@@ -96,7 +98,7 @@ class HFKeys:
 
     def key(self, field: str) -> str:
         """The config.json key a field was read from, as an error names it."""
-        return HF_KEYS.get(field, field)
+        return self.keys.get(field, field)
 
     def problems_said(self, problems: list[str]) -> str:
         """The problems as one line, saying which of the keys they name were left out."""
@@ -215,10 +217,18 @@ def rope_kind(c: dict):
 
 
 def rope_scaling_of(c: dict, where: str) -> tuple:
-    """Llama 3's rope_scaling as sorted (key, value) pairs, checked; () for plain RoPE."""
+    """Llama 3's or YaRN's rope_scaling as sorted (key, value) pairs, checked; () for plain
+    RoPE. YaRN's older "type" key is read as rope_type; its rope_theta is `rope_theta`'s."""
     kind, params = rope_kind(c)
     if kind == "default":
         return ()
+    if kind == "yarn":
+        s = {k: v for k, v in params.items() if k not in ("type", "rope_theta")}
+        try:
+            yarn_checked({**s, "rope_type": "yarn"})
+        except LlmTraceError as e:
+            raise LlmTraceError(f"{where}: {e}") from None
+        return tuple(sorted({**s, "rope_type": "yarn"}.items()))
     values = {k: params.get(k) for k in LLAMA3_KEYS}
     bad = [k for k, v in values.items()
            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0]

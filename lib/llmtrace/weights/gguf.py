@@ -59,7 +59,8 @@ def refuse_gguf_settings(fields: dict, where: str) -> None:
     experts = fields.get("llama.expert_count")
     if experts:
         raise LlmTraceError(f"{where}: GGUF llama.expert_count={experts} "
-                            f"(a mixture of experts) is not implemented: {COMPUTED}")
+                            f"(a mixture of experts) is not read from GGUF: load the Hugging "
+                            f"Face checkpoint (Mixtral and Qwen3-MoE are computed)")
     missing = [key for key in GGUF_REQUIRED if fields.get(key) is None]
     if missing:
         raise LlmTraceError(f"{where}: GGUF metadata lacks {missing[0]}: the file is not a "

@@ -97,6 +97,12 @@ def load_tokenizer(d: Path, config: Config):
     return tok
 
 
+def is_mtp(name: str, n_layers: int) -> bool:
+    """Is this tensor in a layer past the model's last (model.layers.61.* of DeepSeek-V3)?"""
+    parts = name.split(".")
+    return name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= n_layers
+
+
 def load_hf(directory: str | Path, name: str | None = None):
     """(config, state dict, tokenizer) from a Hugging Face model directory."""
     from safetensors import SafetensorError
@@ -118,6 +124,8 @@ def load_hf(directory: str | Path, name: str | None = None):
         sd.update({k: v.float() for k, v in tensors.items()})
     if config.tied_lm_head:
         sd.pop("lm_head.weight", None)
+    if config.kv_lora_rank:  # DeepSeek-V3's multi-token-prediction layer, past the last one
+        sd = {k: v for k, v in sd.items() if not is_mtp(k, config.n_layers)}  # HF skips it too
     unexpected = sorted(set(sd) - set(expected_shapes(config)) - {"model.rotary_emb.inv_freq"})
     if unexpected:
         raise LlmTraceError(f"{d}: unexpected tensor {unexpected[0]} for a Llama model")
