@@ -22,13 +22,16 @@ def recorded_names() -> set[str]:
 
 
 def glossary_names(known: set[str], section: str | None = None) -> list[str]:
-    """The names in the first column of the glossary's table (that under the heading
-    `section`, else the first). A short name after the first one (`k_proj` after
+    """The names in the first column of the glossary's tables (that under the heading
+    `section`, else all but Gemma 4's). A short name after the first one (`k_proj` after
     `layers.N.attn.q_proj`) completes with a prefix of the first."""
     names = []
     text = GLOSSARY.read_text()
-    text = text.split(f"\n## {section}\n")[1] if section else text.split("\n## ")[0]
-    for line in text.split("\n## ")[0].splitlines():
+    parts = text.split("\n## ")
+    # every table but Gemma 4's, whose names the embedded model's trace does not record
+    kept = [p for p in parts if p.startswith(f"{section}\n")] if section else \
+        [p for p in parts if not p.startswith("Gemma 4's records\n")]
+    for line in "\n".join(kept).splitlines():
         if not line.startswith("| `"):
             continue
         first, *short = re.findall(r"`([^`]+)`", line.split("|")[1])
