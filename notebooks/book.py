@@ -194,8 +194,8 @@ _SWITCH_NAMES = {  # per function: its parameters and locals that carry a switch
     "block": {"off": ("norm_offset", False)},
 }
 # the words by which a comment says that its line is another family's, and that family
-FAMILY_WORDS = {"Qwen": "qwen", "Gemma": "gemma", "GeGLU": "gemma", "Mistral": "mistral",
-                "gpt-oss": "gpt_oss", "SmolLM3": "smollm3", "OLMo": "olmo"}
+FAMILY_WORDS = {"Qwen": "qwen", "Gemma 4": "gemma4", "Gemma": "gemma", "GeGLU": "gemma",
+                "Mistral": "mistral", "gpt-oss": "gpt_oss", "SmolLM3": "smollm3", "OLMo": "olmo"}
 
 
 def _switch_read(node, config, fn: str):

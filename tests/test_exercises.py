@@ -124,7 +124,8 @@ def _editing(name):
 
 
 EDITABLE = [n for n in NAMES if n not in ("count_parameters", "bpe_merge", "future_mask",
-                                          "sliding_window_mask", "decode_loop")]
+                                          "sliding_window_mask", "decode_loop",
+                                          "kv_source_layers")]
 
 
 @pytest.mark.parametrize("name", EDITABLE)
@@ -415,6 +416,11 @@ WRONG = {
         acts[f"layers.{i}.attn.rope_q"], acts[f"layers.{i}.attn.q"])], "RoPE turned")],
     "rebuild_kv": [(lambda lat, kv_b, H, dn: tuple(reversed(rebuild_kv(lat, kv_b, H, dn))),
                     "its key part")],
+    "kv_source_layers": [(lambda types, n: list(range(len(types))), "compute no K, V"),
+                         (lambda types, n: [min(j for j in range(len(types) - n)
+                                                if types[j] == t) if i >= len(types) - n
+                                            else i for i, t in enumerate(types)],
+                          "the LAST layer of its kind")],
 }
 
 

@@ -22,7 +22,9 @@ NOT_EXERCISED = {**{f: "no norm before a sublayer, and the exercises read attn_n
                     for f in ("deepseek_v3", "deepseek_v2")},
                  **{f: "layer 0 is a Gated DeltaNet layer, and the exercises read attention's "
                        "records (delta_rule_step reads its own)" for f in ("qwen3_next",
-                                                                         "qwen3_5_text")}}
+                                                                         "qwen3_5_text")},
+                 "gemma4_text": "layers of several widths, some reading another's K, V, and a "
+                                "per-layer input: the exercises build a Llama block"}
 FAMILIES = [f for f in ROWS if f not in NOT_EXERCISED]
 
 

@@ -14,6 +14,7 @@ import transformers
 
 from llmtrace import Config, LlmTraceError, generate, load_model, meta_model
 from llmtrace.attention import causal_mask, window_mask
+from llmtrace.gemma4 import proportional_frequencies
 from llmtrace.model import Model, estimate_trace_bytes, trace_bytes
 from llmtrace.rope import rope_frequencies
 from llmtrace.trace import Trace
@@ -107,6 +108,8 @@ def test_llama3_frequencies_match_hf(family):
     c = model.config
     ours = rope_frequencies(c.rotary_dim or c.head_dim, c.rope_theta,
                             scaling=c.rope_scaling)  # [hd/2] (Qwen3-Next: [rotary_dim/2])
+    if c.global_head_dim:  # Gemma 4: the full layers' wider heads, partly turning
+        ours = proportional_frequencies(c.global_head_dim, c.rope_theta, c.rope_partial)
     rotary = hf.model.rotary_emb  # Gemma 3: one set of frequencies per kind of layer
     theirs = getattr(rotary, "inv_freq", None)
     assert torch.allclose(ours, rotary.full_attention_inv_freq if theirs is None else theirs,

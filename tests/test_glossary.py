@@ -23,12 +23,16 @@ def recorded_names() -> set[str]:
 
 def glossary_names(known: set[str], section: str | None = None) -> list[str]:
     """The names in the first column of the glossary's tables (None: the walk's and
-    DeepSeek-V3's, before Qwen3-Next's; else the table under the heading `section`). A short
-    name after the first one (`k_proj` after `layers.N.attn.q_proj`) completes with a prefix
-    of the first."""
+    DeepSeek-V3's, not Gemma 4's or Qwen3-Next's, whose names the embedded model's trace does
+    not record; else the table under the heading `section`). A short name after the first one
+    (`k_proj` after `layers.N.attn.q_proj`) completes with a prefix of the first."""
     names, text = [], GLOSSARY.read_text()
+    parts = text.split("\n## ")
     if section is None:
-        text = text.split("\n## Qwen3-Next's records")[0]
+        text = "\n".join(p for p in parts
+                         if not p.startswith(("Gemma 4's records\n", "Qwen3-Next's records\n")))
+    elif any(p.startswith(f"{section}\n") for p in parts):
+        text = "\n".join(p for p in parts if p.startswith(f"{section}\n"))
     else:
         text = text.split(f"\n### {section}")[1].split("\n#")[0]
     for line in text.splitlines():
@@ -65,3 +69,18 @@ def test_glossary_lists_qwen3_next_records():
     table = GLOSSARY.read_text().split("### Qwen3-Next")[1]
     assert f"`{list(prefill.shape('layers.0.attn.state'))}`" in table
     assert f"`{list(prefill.shape('layers.0.attn.qkvz'))}`" in table
+def test_glossary_lists_gemma4s_own_records():
+    """Its section lists what gemma-4-e2b's trace records and gemma-3-270m's does not, with
+    the shapes of that trace."""
+    def named(config):
+        (prefill,) = trace_shapes(config, 6, 0)
+        return {re.sub(r"^layers\.\d+\.", "layers.N.", r.name): r.shape for r in prefill}
+
+    gemma4, gemma3 = named("gemma-4-e2b"), named("gemma-3-270m")
+    own = set(gemma4) - set(gemma3)
+    listed = glossary_names(own, "Gemma 4's records")
+    assert len(listed) == len(set(listed)) and set(listed) == own
+    text = GLOSSARY.read_text().split("## Gemma 4's records")[1]
+    for line in text.splitlines():
+        if line.startswith("| `layers.N.resid_ple`"):
+            assert str(list(gemma4["layers.N.resid_ple"])) in line

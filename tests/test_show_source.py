@@ -120,11 +120,16 @@ def test_a_gemma_listing_keeps_its_switches(fn, gemma):
     if fn is attend:  # the sinks' parameter, docstring line and branch
         assert gone == 4 and "sinks" not in code and "scale" in code and "window" in code
         return
-    if fn is block:  # OLMo 2's lines go (Gemma 3 has a norm before each sublayer); the rest stays
-        assert gone == 1 and "OLMo" not in code and "pre_norm" not in code and " off)" in code
+    if fn is block:  # OLMo 2's lines go (Gemma 3 has a norm before each sublayer), and Gemma
+        # 4's per-layer input and scalar; the rest stays
+        assert gone == 3 and "OLMo" not in code and "pre_norm" not in code and " off)" in code
+        assert "ple_size" not in code and "layer_scalar" not in code
         return
-    if fn.__qualname__ == "Model.forward":  # SmolLM3's two lines (layers without RoPE) go
-        assert gone == 2 and "no_rope_layers" not in code and "pos.local" in code
+    if fn.__qualname__ == "Model.forward":  # Gemma 4's per-layer inputs and soft cap go (6
+        # lines), and SmolLM3's two (layers without RoPE)
+        assert gone == 8 and "ple_size" not in code and "final_softcap" not in code
+        assert "no_rope_layers" not in code
+        assert "pos.local" in code  # Gemma 3's own line stays
         return
     if fn is not attention:
         assert gone == 0 and code == src

@@ -202,6 +202,32 @@ ROWS = {
                        "attn.q_bias", "attn.k_bias", "attn.v_bias", "attn.window_mask",
                        "attn.scores_with_sink", "attn.weights_with_sink"},
                    lacks=DENSE_MLP),
+    # Gemma 4: sliding and full layers of different widths (16, 32), V from K's projection on
+    # the full ones, the last two layers reading layers 2 and 3's K, V, per-layer inputs of 8,
+    # partial RoPE at a base of 100 (the pairs left still would turn within 11 positions), a
+    # soft cap of 3 that bites on the logits
+    "gemma4_text": Row(
+        "Gemma4TextConfig", "Gemma4ForCausalLM",
+        dict(vocab_size=32000, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+             num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=4,
+             max_position_embeddings=256, vocab_size_per_layer_input=32000,
+             hidden_size_per_layer_input=8, num_kv_shared_layers=2, use_double_wide_mlp=True,
+             final_logit_softcapping=3.0, initializer_range=0.1,
+             layer_types=["sliding_attention", "full_attention"] * 3,
+             rope_parameters={
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                 "full_attention": {"rope_type": "proportional", "rope_theta": 100.0,
+                                    "partial_rotary_factor": 0.5}}),
+        off=({"final_softcap": 0.0}, {"v_norm": False}, {"layer_scalar": False},
+             {"ple_size": 0}, {"norm_offset": True}, {"attn_scale": 0.0},
+             {"rope_partial": 1.0}, {"embed_scale": False}, {"mlp_act": "silu"}),
+        records=QK_NORM | {"attn.window_mask", "attn_post_norm.mean_sq", "attn_post_norm",
+                           "mlp_post_norm.mean_sq", "mlp_post_norm", "embed.scaled",
+                           "attn.v_norm.mean_sq", "attn.v_norm", "ple.embed", "ple.proj",
+                           "ple.proj_norm.mean_sq", "ple.proj_norm", "ple", "ple_gate",
+                           "ple_act", "ple_gated", "ple_proj", "ple_norm.mean_sq", "ple_norm",
+                           "resid_ple", "layer_scaled", "lm_head.softcap"}),
 }
 # Qwen3.5's text model: the same layers, DeltaNet's projections stored apart, a dense MLP
 ROWS["qwen3_5_text"] = Row(
@@ -240,8 +266,10 @@ def make_tiny_checkpoint(directory: str | Path, seed: int = 0, family: str = "ll
                 p.uniform_(*row.norms)
             elif name.endswith((".bias", "_bias")):  # HF initialises biases to 0
                 p.normal_(0.0, 0.5)
-        for name, b in model.named_buffers():  # DeepSeek-V3's router bias, 0 in HF too
-            if name.endswith("e_score_correction_bias"):
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's layer_scalar: HF starts it at 1
+                b.uniform_(0.5, 1.5)
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias, 0 in HF
                 b.normal_(0.0, 0.05)  # choosing, not overriding, the scores
     model.save_pretrained(d, safe_serialization=True)
     if config.vocab_size == 32000:

@@ -6,7 +6,7 @@ prefill). A trace of any model gives their numbers.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,9 @@ class Positions:
     local: "Positions | None" = None  # Gemma 3's sliding layers: their window and RoPE base
     rope: bool = True  # False on a layer without RoPE (SmolLM3's NoPE layers): q, k as projected
     rotary_dim: int | None = None  # RoPE on the first rotary_dim of each head (Qwen3-Next)
+    # what the layers of one pass hand each other (Gemma 4: "ple", the per-layer inputs, and
+    # layer -> the K, V it read, for the layers that share them); one dict for every kind
+    shared: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, start: int, T: int, config, device=None) -> "Positions":
@@ -66,9 +69,16 @@ class Positions:
                                 f"of {config.max_positions}: shorten the prompt or "
                                 f"generate fewer tokens")
         positions = torch.arange(start, start + T, device=device)  # [T]
-        turned = config.rotary_dim  # Qwen3-Next: RoPE on part of each head; None: all
-        cos, sin = rope_cos_sin(positions, turned or config.head_dim, config.rope_theta,
-                                config.rope_scaling)  # [T, hd] each ([T, turned])
+        if config.global_head_dim or config.rope_partial != 1.0:  # Gemma 4's full layers
+            from .gemma4 import proportional_cos_sin
+
+            cos, sin = proportional_cos_sin(positions, config.global_head_dim or
+                                            config.head_dim, config.rope_theta,
+                                            config.rope_partial)  # [T, hd_full] each
+        else:
+            turned = config.rotary_dim  # Qwen3-Next: RoPE on part of each head; None: all
+            cos, sin = rope_cos_sin(positions, turned or config.head_dim, config.rope_theta,
+                                    config.rope_scaling)  # [T, hd] each ([T, turned])
         S, W = start + T, config.sliding_window
         causal = causal_mask(T, S, start, device)
         window = window_mask(T, S, start, W, device) if W else None
@@ -80,8 +90,10 @@ class Positions:
         if config.rope_local_theta:  # a base of their own, unscaled (Gemma 3)
             local_cos, local_sin = rope_cos_sin(positions, config.head_dim, local)
         base = config.rope_theta if local != config.rope_theta else 0.0  # said if they differ
+        shared = {}
         return cls(start, cos, sin, causal, None, base,
-                   cls(start, local_cos, local_sin, causal, window, base and local))
+                   cls(start, local_cos, local_sin, causal, window, base and local,
+                       shared=shared), shared=shared)
 
 
 def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0,

@@ -17,10 +17,12 @@ from .errors import LlmTraceError
 # the integer fields and their least value (head_dim 0 means hidden_size // n_heads)
 INT_FIELDS = {"vocab_size": 1, "hidden_size": 1, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1,
               "ffn_size": 1, "max_positions": 1, "head_dim": 0, "bos_id": 0, "eos_id": 0,
-              "sliding_window": 0, "n_experts": 0, "n_experts_active": 0, "moe_ffn_size": 0,
-              "shared_ffn_size": 0,
-              "kv_lora_rank": 0, "q_lora_rank": 0, "qk_nope_head_dim": 0, "v_head_dim": 0,
-              "n_shared_experts": 0, "moe_groups": 1, "moe_groups_chosen": 1}
+              "sliding_window": 0, "global_head_dim": 0, "global_kv_heads": 0,
+              "kv_shared_layers": 0, "ple_size": 0, "ple_vocab": 0, "n_experts": 0,
+              "n_experts_active": 0, "moe_ffn_size": 0, "shared_ffn_size": 0,
+              "kv_lora_rank": 0, "q_lora_rank": 0,
+              "qk_nope_head_dim": 0, "v_head_dim": 0, "n_shared_experts": 0, "moe_groups": 1,
+              "moe_groups_chosen": 1}
 OPTIONAL_IDS = ("bos_id", "eos_id")  # None: the model has none
 
 
@@ -44,14 +46,15 @@ def config_problems(v: dict, key=str) -> list[str]:
             problems.append(f"{key(field)}={value!r} must be a finite number")
         elif value < 0 or (value == 0 and rule == "positive"):
             problems.append(f"{key(field)}={value:g} must be {rule}")
-    for field in ("attn_scale", "rope_local_theta", "moe_scaling"):
+    for field in ("attn_scale", "rope_local_theta", "final_softcap", "moe_scaling"):
         value = v[field]
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not math.isfinite(value) or value < 0:
             problems.append(f"{key(field)}={value!r} must be a finite number >= 0")
     if v["mlp_act"] not in MLP_ACTS:
         problems.append(f"mlp_act={v['mlp_act']!r} must be one of {', '.join(MLP_ACTS)}")
-    for field in ("qk_proj_norm", "pre_norm", "rope_interleave"):
+    for field in ("qk_proj_norm", "pre_norm", "k_eq_v", "double_wide_mlp", "v_norm",
+                  "layer_scalar", "rope_interleave"):
         if v[field] is not True and v[field] is not False:
             problems.append(f"{field}={v[field]!r} must be True or False")
     if v["qk_norm"] is True and v["qk_proj_norm"] is True:
@@ -86,6 +89,7 @@ def config_problems(v: dict, key=str) -> list[str]:
         problems.append(f"{key('partial_rotary_factor')}={factor!r} must be a number in (0, 1]")
     if v["attn_output_gate"] is not True and v["attn_output_gate"] is not False:
         problems.append(f"attn_output_gate={v['attn_output_gate']!r} must be True or False")
+    problems += gemma4_problems(v, key)
     problems += moe_problems(v, key)
     flags = v["no_rope_layers"]
     if not isinstance(flags, tuple) or any(f not in (0, 1) or isinstance(f, bool) for f in flags):
@@ -113,6 +117,25 @@ def config_problems(v: dict, key=str) -> list[str]:
         problems.append("mlp_act='gpt_oss' is the clamped GLU of gpt-oss's experts: a dense "
                         "MLP computes silu or gelu_tanh")
     return problems or shape_problems(v, key)  # the rest divides by a head count
+
+
+def gemma4_problems(v: dict, key=str) -> list[str]:
+    """Gemma 4's fields: layers that read another's K, V need an earlier one of their kind."""
+    problems = []
+    n, shared = v["n_layers"], v["kv_shared_layers"]
+    if isinstance(shared, int) and isinstance(n, int) and shared and not shared < n:
+        problems.append(f"{key('kv_shared_layers')}={shared} must be below "
+                        f"{key('n_layers')}={n}: some layer must compute K and V")
+    if v["global_kv_heads"] and not v["k_eq_v"]:
+        problems.append(f"{key('global_kv_heads')}={v['global_kv_heads']} without "
+                        f"{key('k_eq_v')}: HF reads it only with attention_k_eq_v")
+    if v["ple_size"] and not v["ple_vocab"]:
+        problems.append(f"{key('ple_size')}={v['ple_size']} needs {key('ple_vocab')}: "
+                        f"the rows of the per-layer table")
+    rope = v["rope_partial"]
+    if isinstance(rope, bool) or not isinstance(rope, (int, float)) or not 0 <= rope <= 1:
+        problems.append(f"{key('rope_partial')}={rope!r} must be a fraction from 0 to 1")
+    return problems
 
 
 def moe_problems(v: dict, key=str) -> list[str]:
@@ -250,6 +273,18 @@ class Config:
     attn_output_gate: bool = False  # W_q gives each head a gate: out * sigmoid(gate)
     partial_rotary_factor: float = 1.0  # RoPE turns this share of each head's dims
     linear_attn: tuple = ()  # DeltaNet layers' (key heads, value heads, dk, dv, conv kernel)
+    # Gemma 4's differences from Gemma 3 (gemma4.py); each default leaves a model as it was
+    global_head_dim: int = 0  # the full layers' head width; 0 means head_dim
+    global_kv_heads: int = 0  # the full layers' KV heads (with k_eq_v); 0 means n_kv_heads
+    k_eq_v: bool = False  # full layers: V is K's projection (no W_v)
+    kv_shared_layers: int = 0  # the last N layers read the K, V of an earlier layer
+    double_wide_mlp: bool = False  # those shared layers' MLP twice ffn_size wide
+    ple_size: int = 0  # per-layer inputs: P numbers per token and layer; 0: none
+    ple_vocab: int = 0  # rows of the per-layer table
+    rope_partial: float = 1.0  # full layers: the fraction of pairs RoPE turns (proportional)
+    v_norm: bool = False  # V normalized per head, with no weight
+    layer_scalar: bool = False  # each layer's output times a stored scalar
+    final_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
     # A mixture of experts (Mixtral, Qwen3-MoE): the MLP is E expert MLPs, a router sends each
     # position to k of them (moe.py); 0 experts is a dense model
     n_experts: int = 0  # E
@@ -341,6 +376,13 @@ class Config:
         from .deltanet import DeltaNetDims
 
         return DeltaNetDims(*self.linear_attn, self.norm_eps) if self.linear_attn else None
+
+    @property
+    def varied_layers(self) -> bool:
+        """Do the layers' attention and MLP differ in shape, or read each other's K, V
+        (Gemma 4: `gemma4.config_layer_shapes`)?"""
+        return bool(self.v_norm or self.k_eq_v or self.kv_shared_layers or self.global_head_dim)
+
     def is_moe(self, layer: int) -> bool:
         """Is this layer's MLP a mixture of experts? Qwen3-MoE may leave some layers dense
         (`mlp_types`); without it, every layer is MoE when the model has experts."""
@@ -454,6 +496,24 @@ PRESETS: dict[str, dict] = {
                       n_kv_heads=16, ffn_size=8192, max_positions=4096, rope_theta=500_000.0,
                       norm_eps=1e-6, bos_id=None, eos_id=100257, family="olmo2",
                       pre_norm=False, sandwich_norm=True, qk_proj_norm=True),
+    # google/gemma-4-E2B's text_config, as copies of its config.json in several public
+    # repositories' tests give it (the hub's own file could not be read here): 35 layers, every
+    # 5th full; the last 20 read the K, V of layers 13 (sliding) and 14 (full); one KV head of
+    # 256 (sliding) or 512 (full, a quarter of its pairs turning); per-layer inputs of 256;
+    # eos_token_id [1, 106] at the top of that file. Google's Gemma docs (ai.google.dev/gemma/
+    # docs/core) give it "2B effective parameters": the 4,628,569,379 of HF's class less its
+    # per-layer table's 2,348,810,240 is 2.28B; no published total of the text model alone
+    # was found to check the whole against
+    "gemma-4-e2b": dict(vocab_size=262144, hidden_size=1536, n_layers=35, n_heads=8,
+                        n_kv_heads=1, ffn_size=6144, max_positions=131072,
+                        rope_theta=1_000_000.0, norm_eps=1e-6, tied_lm_head=True, bos_id=2,
+                        eos_id=1, stop_ids=(106,), head_dim=256, qk_norm=True,
+                        sandwich_norm=True, mlp_act="gelu_tanh", embed_scale=True,
+                        attn_scale=1.0, layer_types=(("sliding",) * 4 + ("full",)) * 7,
+                        rope_local_theta=10_000.0, sliding_window=512, family="gemma4_text",
+                        global_head_dim=512, kv_shared_layers=20, double_wide_mlp=True,
+                        ple_size=256, ple_vocab=262144, rope_partial=0.25, v_norm=True,
+                        layer_scalar=True, final_softcap=30.0),
     # mistralai/Mixtral-8x7B-v0.1 config.json (its sliding_window is null: no window): 8
     # experts in every layer, 2 chosen per position, each as wide as Mistral-7B's MLP
     "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32,

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from .config import Config
 from .deltanet import state_bytes
-from .weights.names import MODEL_TENSORS, layers_holding, tensor_shapes
+from .gemma4 import cache_shape
+from .weights.names import LAYER_TENSORS, MODEL_TENSORS, layers_holding, tensor_shapes
 
 
 @dataclass
@@ -38,6 +39,8 @@ class ParamRow:
 
 def parameter_table(c: Config) -> list[ParamRow]:
     """One row per component, in model order; a tied LM head has no row of its own."""
+    if c.v_norm or c.k_eq_v or c.kv_shared_layers or c.global_head_dim:  # Gemma 4
+        return varied_parameter_table(c)
     rows = []
     for field, shape in tensor_shapes(c).items():
         if field in BUFFERS:
@@ -48,6 +51,29 @@ def parameter_table(c: Config) -> list[ParamRow]:
         rows.append(ParamRow(component, shape, math.prod(shape), copies, per_layer,
                              active_of(c, field, shape)))
     return rows
+
+
+def varied_parameter_table(c: Config) -> list[ParamRow]:
+    """`parameter_table` when layers differ in shape (Gemma 4): a layer tensor has one row per
+    shape the layers give it, with the layers of that shape as its copies."""
+    rows = []
+    for field, shape in tensor_shapes(c).items():
+        if field not in LAYER_TENSORS:
+            component = "embedding" if field == "embed" else field
+            rows.append(ParamRow(component, shape, math.prod(shape), 1, False))
+    fields = [f for f in LAYER_TENSORS if any(f in tensor_shapes(c, i)
+                                              for i in range(c.n_layers))]
+    return rows + [r for f in fields for r in layer_rows(c, f)]
+
+
+def layer_rows(c: Config, field: str) -> list[ParamRow]:
+    """A layer tensor's rows when layers differ (Gemma 4): one per shape, copies counted."""
+    counts: dict[tuple, int] = {}
+    for i in range(c.n_layers):
+        shape = tensor_shapes(c, i).get(field)
+        if shape is not None:
+            counts[shape] = counts.get(shape, 0) + 1
+    return [ParamRow(field, shape, math.prod(shape), n, True) for shape, n in counts.items()]
 
 
 # tensors a checkpoint holds that are no parameters: DeepSeek-V3's router bias is set by a rule
@@ -149,9 +175,15 @@ def layer_cache_values(c: Config, layer: int, context: int, capped: bool = True)
         return state_bytes(c.deltanet_dims, bytes_per_value=1)
     if c.kv_lora_rank:  # latent attention: the latent and the rotated key part (mla.py)
         return context * (c.kv_lora_rank + c.head_dim)
+    kv, hd = c.n_kv_heads, c.head_dim
+    if c.varied_layers:  # Gemma 4: each layer's own width; one reading another's K, V: none
+        shape = cache_shape(c, layer)
+        if shape is None:
+            return 0
+        kv, hd = shape
     if capped and c.is_sliding(layer):  # a query sees only the last sliding_window keys
         context = min(context, c.sliding_window)
-    return context * 2 * c.n_kv_heads * c.head_dim  # K and V of every KV head
+    return context * 2 * kv * hd  # K and V of every KV head
 
 
 def cache_bytes(c: Config, context: int, bytes_per_value: int = 2, batch: int = 1,

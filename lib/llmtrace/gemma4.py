@@ -102,6 +102,7 @@ class LayerShape:
     kv_source: int  # the layer whose K, V it reads (itself unless shared)
     k_eq_v: bool  # V is K's projection (no v_proj): full layers with attention_k_eq_v
     ffn_size: int  # twice intermediate_size on shared layers with use_double_wide_mlp
+    v_norm: bool = True  # V normalized with no weight (False: a control, as Gemma 3)
 
 
 def layer_shapes(c: dict) -> list[LayerShape]:
@@ -124,6 +125,43 @@ def layer_shapes(c: dict) -> list[LayerShape]:
             over.get("num_key_value_heads", c["num_key_value_heads"]), sources[i],
             k_eq_v and kinds[i] == "full", c["intermediate_size"] * (2 if wide else 1)))
     return shapes
+
+
+def config_layer_shapes(c) -> list[LayerShape]:
+    """Each layer's shape from a `Config` (the library's fields, read by families/gemma4.py
+    from the keys `layer_shapes` reads)."""
+    kinds = c.layer_types or ("full",) * c.n_layers
+    sources = kv_sources(kinds, c.kv_shared_layers)
+    shapes = []
+    for i, kind in enumerate(kinds):
+        full = kind == "full"
+        wide = c.double_wide_mlp and sources[i] != i
+        shapes.append(LayerShape(
+            kind, (c.global_head_dim or c.head_dim) if full else c.head_dim,
+            (c.global_kv_heads or c.n_kv_heads) if full else c.n_kv_heads, sources[i],
+            c.k_eq_v and full, c.ffn_size * (2 if wide else 1), c.v_norm))
+    return shapes
+
+
+def cache_shape(c, layer: int) -> tuple[int, int] | None:
+    """(KV heads, head_dim) of the cache layer `layer` of a Gemma 4 `Config` keeps, or None
+    for a layer that reads another's K, V and keeps none: a count of cache bytes per layer
+    of any config reads it when `c.varied_layers`."""
+    s = config_layer_shapes(c)[layer]
+    return None if s.kv_source != layer else (s.n_kv_heads, s.head_dim)
+
+
+def layer_kv_values(c, layer: int, context: int) -> int:
+    """The numbers layer `layer` of a Gemma 4 `Config` must cache after `context` positions:
+    none for a layer that reads another's K, V; else K and V of its own heads, over the last
+    sliding_window positions on a sliding layer (what an inference cache keeps)."""
+    shape = cache_shape(c, layer)
+    if shape is None:
+        return 0
+    if c.is_sliding(layer):
+        context = min(context, c.sliding_window)
+    kv, hd = shape
+    return context * 2 * kv * hd
 
 
 def kv_bytes_per_token(shapes: list[LayerShape], dtype_bytes: int = 2) -> int:
@@ -210,14 +248,15 @@ def own_kv(x, w, s: LayerShape, eps: float, pos, trace=NO_TRACE, name: str = "at
     v = trace.record(f"{name}.v", f"split into {KV} heads",
                      v.view(B, T, KV, hd))  # [B, T, KV, hd]
     k = rms_norm(k, w.k_norm, eps, trace, f"{name}.k_norm")  # [B, T, KV, hd]
-    v = unit_rms_norm(v, eps, trace, f"{name}.v_norm")  # [B, T, KV, hd]
+    if s.v_norm:
+        v = unit_rms_norm(v, eps, trace, f"{name}.v_norm")  # [B, T, KV, hd]
     k = apply_rope(k, pos.cos, pos.sin, trace, f"{name}.rope_k",
                    f"freq ({s.kind})")  # [B, T, KV, hd]
     return k, v
 
 
 def gemma4_attention(x, w, s: LayerShape, n_heads: int, eps: float, pos, cache=None,
-                     shared=None, trace=NO_TRACE, name: str = "attn"):
+                     shared=None, trace=NO_TRACE, name: str = "attn", scale: float = 1.0):
     """x [B, T, D] -> (out [B, T, D], (k_all, v_all) [B, S, KV, hd]). pos: this layer
     kind's `Positions` (cos, sin of its head_dim; its mask and window). A layer with its own
     K, V writes them into its `KVCache` (cache) and returns what it read, for the layers that
@@ -253,7 +292,7 @@ def gemma4_attention(x, w, s: LayerShape, n_heads: int, eps: float, pos, cache=N
     v_exp = trace.record(f"{name}.v_expanded", f"GQA: {KV} -> {H} heads",
                          repeat_kv(v_all.transpose(1, 2), H // KV))  # [B, H, S, hd]
     out = attend(q.transpose(1, 2), k_exp, v_exp, pos.mask, trace, name, start,
-                 pos.window, 1.0)  # [B, H, T, hd]: scale 1, the norms set the size
+                 pos.window, scale)  # [B, H, T, hd]: scale 1, the norms set the size
     out = trace.record(f"{name}.merged", "heads back side by side",
                        out.transpose(1, 2).reshape(B, T, H * hd))  # [B, T, H*hd]
     out = trace.record(f"{name}.out", "merged @ W_o^T", F.linear(out, w.o_proj),
@@ -395,8 +434,10 @@ def params_of_shapes(shapes: list[LayerShape], D: int, H: int) -> int:
     return total
 
 
-__all__ = ["REFUSED", "LayerShape", "MoeBranch", "PleWeights", "gemma4_attention",
+__all__ = ["REFUSED", "LayerShape", "cache_shape", "config_layer_shapes", "MoeBranch",
+           "PleWeights", "gemma4_attention",
            "gemma4_router", "hf_moe_branch", "kv_bytes_per_token", "kv_sources", "layer_kinds",
+           "layer_kv_values",
            "layer_scaled", "layer_shapes", "moe_branch", "own_kv", "params_of_shapes",
            "per_layer_inputs", "per_layer_residual", "proportional_cos_sin",
            "proportional_frequencies", "refuse_unsupported", "rope_settings", "softcap",

@@ -21,6 +21,8 @@ from .deltanet import (DeltaNetState, DeltaNetWeights, gated_deltanet, hf_deltan
                        hf_deltanet_weights)
 from .embed import embed
 from .errors import LlmTraceError
+from .gemma4 import (PleWeights, config_layer_shapes, gemma4_attention, layer_scaled,
+                     per_layer_inputs, per_layer_residual, softcap)
 from .kv_cache import KVCache
 from .mla import LatentCache, MlaDims, MlaWeights, mla_attention
 from .memory import check_budget, keep_freed_memory_if_asked, needs_estimate
@@ -37,8 +39,8 @@ class LayerWeights:
     attn_norm: torch.Tensor | None = None  # [D]   (None: no norm before a sublayer, OLMo 2)
     # (None on a Gated DeltaNet layer, which has `linear` instead: Qwen3-Next)
     q_proj: torch.Tensor | None = None  # [H*hd, D]   (out, in), as F.linear takes it
-    k_proj: torch.Tensor | None = None  # [KV*hd, D]   (None: latent attention's `mla`)
-    v_proj: torch.Tensor | None = None  # [KV*hd, D]
+    k_proj: torch.Tensor | None = None  # [KV*hd, D]   (None: latent attention's `mla`,
+    v_proj: torch.Tensor | None = None  # [KV*hd, D]   Gemma 4's shared layers, k_eq_v's V)
     o_proj: torch.Tensor | None = None  # [D, H*hd]
     mlp_norm: torch.Tensor | None = None  # [D]
     gate: torch.Tensor | None = None  # [F, D]   (None in a mixture of experts' layer)
@@ -53,6 +55,10 @@ class LayerWeights:
     post_mlp_norm: torch.Tensor | None = None  # [D]
     sinks: torch.Tensor | None = None  # [H]   attn_sinks (gpt-oss): each head's sink logit
     o_bias: torch.Tensor | None = None  # [D]   o_bias (gpt-oss)
+    ple_gate: torch.Tensor | None = None  # [P, D]   Gemma 4's per-layer input (ple_size)
+    ple_proj: torch.Tensor | None = None  # [D, P]
+    ple_norm: torch.Tensor | None = None  # [D]
+    layer_scalar: torch.Tensor | None = None  # [1]
     moe: MoeWeights | None = None  # a mixture of experts in place of gate, up, down (Mixtral)
     mla: MlaWeights | None = None  # kv_lora_rank (DeepSeek): latent attention's weights
     linear: DeltaNetWeights | None = None  # a Gated DeltaNet layer's (layer_types "linear")
@@ -64,6 +70,9 @@ class Weights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [D]
     lm_head: torch.Tensor  # [V, D]; the same tensor as `embed` when the head is tied
+    ple_table: torch.Tensor | None = None  # [V_ple, L*P]   Gemma 4's per-layer inputs
+    ple_model_proj: torch.Tensor | None = None  # [L*P, D]
+    ple_model_norm: torch.Tensor | None = None  # [P]
 
 
 def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
@@ -95,7 +104,9 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
             lw.moe.shared_gate = sd[names["moe.shared_gate"]]
     embed = sd[hf_name("embed")]
     head = embed if c.tied_lm_head else sd[hf_name("lm_head")]
-    return Weights(embed, layers, sd[hf_name("final_norm")], head)
+    extra = {f: sd[hf_name(f)] for f in ("ple_table", "ple_model_proj", "ple_model_norm")
+             if hf_name(f) in expected}
+    return Weights(embed, layers, sd[hf_name("final_norm")], head, **extra)
 
 
 def mla_weights(c: Config, sd: dict, i: int) -> MlaWeights:
@@ -112,7 +123,8 @@ def mla_dims(c: Config) -> MlaDims:
 
 def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
     """The inverse, in HF naming (used to write HF checkpoints)."""
-    sd = {hf_name(f): getattr(w, f) for f in MODEL_TENSORS if f != "lm_head" or not c.tied_lm_head}
+    sd = {hf_name(f): getattr(w, f) for f in MODEL_TENSORS
+          if (f != "lm_head" or not c.tied_lm_head) and getattr(w, f) is not None}
     for i, lw in enumerate(w.layers):
         sd.update({hf_name(f, i, c): getattr(lw, f) for f in LAYER_TENSORS
                    if getattr(lw, f) is not None})
@@ -142,6 +154,8 @@ def attn_sublayer(h, w: LayerWeights, config, pos: Positions, cache=None, trace=
     elif w.linear is not None:  # Qwen3-Next: a fixed state per head, no KV cache
         h = gated_deltanet(h, w.linear, config.deltanet_dims, cache, trace,
                            f"{name}.attn")  # [B, T, D]
+    elif config.v_norm or config.k_eq_v or config.kv_shared_layers or config.global_head_dim:
+        h = gemma4_sublayer(h, w, config, pos, cache, trace, name)  # [B, T, D]: Gemma 4
     else:
         h = attention(h, w, config, pos, cache, trace, f"{name}.attn",
                       config.attn_output_gate)  # [B, T, D]
@@ -169,6 +183,29 @@ def mlp_sublayer(h, w: LayerWeights, config, trace=NO_TRACE, name="layers.0") ->
     return h
 
 
+def gemma4_sublayer(h, w: LayerWeights, config, pos: Positions, cache, trace, name):
+    """Gemma 4's attention of layer `name` ("layers.3"): with its own K, V, kept in the
+    pass's `pos.shared` for the layers that read them; a shared layer reads its source's."""
+    i = int(name.split(".")[1])
+    s = config_layer_shapes(config)[i]
+    kv = pos.shared[s.kv_source] if s.kv_source != i else None  # [B, S, KV, hd] each
+    h, pos.shared[i] = gemma4_attention(h, w, s, config.n_heads, config.norm_eps, pos,
+                                        cache, kv, trace, f"{name}.attn",
+                                        config.attn_scale)  # [B, T, D]
+    return h
+
+
+def gemma4_layer_end(x, w: LayerWeights, config, pos: Positions, trace, name):
+    """What a Gemma 4 layer adds after its MLP: its own per-layer input [B, T, P], gated in
+    by the stream (`ple_size`), then the whole times the layer's scalar."""
+    if config.ple_size:
+        ple = pos.shared["ple"][:, :, int(name.split(".")[1])]  # [B, T, P]
+        x = per_layer_residual(x, ple, w, config.norm_eps, trace, name)  # [B, T, D]
+    if config.layer_scalar:
+        x = layer_scaled(x, w.layer_scalar, trace, name)  # [B, T, D]
+    return x
+
+
 def block(x, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE,
           name="layers.0") -> torch.Tensor:
     """One block, pre-norm: h = x + attention(norm(x)), then h + mlp(norm(h)).
@@ -183,8 +220,11 @@ def block(x, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE
     h = rms_norm(x, w.mlp_norm, eps, trace, f"{name}.mlp_norm",
                  off) if config.pre_norm else x  # [B, T, D]
     h = mlp_sublayer(h, w, config, trace, name)  # [B, T, D]
-    return trace.record(f"{name}.resid_out", "h + mlp(mlp_norm(h))",
-                        x + h)  # [B, T, D]
+    x = trace.record(f"{name}.resid_out", "h + mlp(mlp_norm(h))",
+                     x + h)  # [B, T, D]
+    if config.ple_size or config.layer_scalar:  # Gemma 4: per-layer input, layer scalar
+        x = gemma4_layer_end(x, w, config, pos, trace, name)  # [B, T, D]
+    return x
 
 # the book's two models by the names a reader knows them by (config name -> label)
 LABELS = {"smollm2-135m": "SmolLM2-135M", "tinyllama-1.1b": "TinyLlama-1.1B"}
@@ -215,14 +255,19 @@ class Model:
     def is_meta(self) -> bool:
         return self.device.type == "meta"
 
-    def new_cache(self, max_len: int, batch: int = 1) -> list[KVCache]:
+    def new_cache(self, max_len: int, batch: int = 1) -> list[KVCache | LatentCache | None]:
         """One `KVCache` per layer, for sequences up to max_len positions (latent attention:
         one `LatentCache`, the latent and the rotated key part); a Gated DeltaNet layer
-        (Qwen3-Next) gets its `DeltaNetState` instead, the same size at any length."""
+        (Qwen3-Next) gets its `DeltaNetState` instead, the same size at any length. Gemma 4:
+        each of its layer's shape, and None for a layer that reads another's K, V."""
         c, dtype = self.config, self.weights.embed.dtype
         if c.kv_lora_rank:
             return [LatentCache(max_len, c.kv_lora_rank, c.head_dim, batch, self.device, dtype)
                     for _ in range(c.n_layers)]
+        if c.varied_layers:
+            return [KVCache(max_len, s.n_kv_heads, s.head_dim, batch, self.device, dtype)
+                    if s.kv_source == i else None
+                    for i, s in enumerate(config_layer_shapes(c))]
         return [DeltaNetState(c.deltanet_dims, batch, self.device, dtype) if c.is_linear(i)
                 else KVCache(max_len, c.n_kv_heads, c.head_dim, batch, self.device, dtype)
                 for i in range(c.n_layers)]
@@ -238,6 +283,10 @@ class Model:
         pos = Positions.of(start, ids.shape[1], c, self.device)  # shared by every layer
 
         x = embed(ids, w.embed, trace, c.embed_scale)  # [B, T, D]
+        if c.ple_size:  # Gemma 4: a small input for each layer, from the ids and x
+            pos.shared["ple"] = per_layer_inputs(
+                ids, x, PleWeights(w.ple_table, w.ple_model_proj, w.ple_model_norm),
+                c.n_layers, c.norm_eps, trace)  # [B, T, L, P]
         for i, lw in enumerate(w.layers):
             layer_cache = None if cache is None else cache[i]
             # Gemma 3: a sliding layer has its own positions (window, RoPE base)
@@ -251,7 +300,10 @@ class Model:
         logits = F.linear(x, w.lm_head)  # [B, T, V]
         head = "tied: embed_tokens" if c.tied_lm_head else "lm_head"
         macs = x.shape[0] * x.shape[1] * c.hidden_size * c.vocab_size
-        return trace.record("lm_head", f"x @ W^T ({head})", logits, macs)
+        logits = trace.record("lm_head", f"x @ W^T ({head})", logits, macs)
+        if c.final_softcap:  # Gemma 4: logits squashed below the cap
+            logits = softcap(logits, c.final_softcap, trace)  # [B, T, V]
+        return logits
 
     def encode(self, prompt: str, bos: bool | None = None) -> torch.Tensor:
         if not isinstance(prompt, str):
@@ -331,7 +383,10 @@ BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "bool": 1}
 
 def one_layer_of_each_kind(config: Config, **changes) -> tuple[Model, list[list[int]]]:
     """A meta model of one layer of each kind (its attention's `layer_types` and its MLP's
-    `mlp_types`), and the layers of `config` each of its layers stands for."""
+    `mlp_types`), and the layers of `config` each of its layers stands for. Gemma 4: every
+    layer, each its own (they differ in shape and read each other's K, V)."""
+    if config.varied_layers or config.ple_size:
+        return meta_model(config.replace(**changes)), [[i] for i in range(config.n_layers)]
     kind = [(config.layer_types[i] if config.layer_types else None,
              config.mlp_types[i] if config.mlp_types else None) for i in range(config.n_layers)]
     kinds = list(dict.fromkeys(kind))

@@ -354,3 +354,61 @@ def _(model) -> Case:
                     (plain_write, "the delta rule writes the error v - S^T k (after the "
                                   "fade), not v itself"),
                     (no_beta, "the write is scaled by beta, how much the token takes")])
+
+
+def kv_source_layers(layer_types: list, n_shared: int) -> list:
+    """Gemma 4's KV sharing. layer_types: "sliding" or "full" for each layer; the last
+    n_shared layers compute no K, V of their own -> for each layer, the layer whose K and V
+    it attends over: itself, or, for a shared layer, the last layer of its own kind before
+    the shared ones."""
+    first = len(layer_types) - n_shared  # the first layer that computes no K, V
+    sources = list(range(first))
+    for kind in layer_types[first:]:
+        sources.append(max(j for j in range(first) if layer_types[j] == kind))
+    return sources
+
+
+def read_sources(trace, n_layers: int) -> list:
+    """Each layer's source, from its records: its own k_proj, or whose K its cache says."""
+    out = []
+    for i in range(n_layers):
+        op = trace.get(f"layers.{i}.attn.kv_cache.k").op  # "K cache: shared: layers.13's"
+        out.append(int(op.split("layers.")[1].split("'")[0]) if "shared" in op else i)
+    return out
+
+
+def _compare_sources(got, want) -> str | None:
+    if not isinstance(got, (list, tuple)) or len(got) != len(want):
+        return f"return one layer index per layer: a list of {len(want)}"
+    wrong = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    if wrong:
+        i = wrong[0]
+        return f"layer {i}: you said {got[i]}, its records read layer {want[i]}'s K, V"
+    return None
+
+
+@exercise(16, kv_source_layers)
+def _(model) -> Case:
+    """Checked on the records of gemma-4-e2b's walk on the meta device (any running model):
+    which layer's K each layer's kv_cache.k holds."""
+    from llmtrace import Config
+    from llmtrace.model import trace_shapes
+
+    c = Config.from_name("gemma-4-e2b")
+    (trace,) = trace_shapes(c, 2, 0)
+    want = read_sources(trace, c.n_layers)
+    kinds = list(c.layer_types)
+    first = c.n_layers - c.kv_shared_layers
+
+    def first_of_kind(types, n):  # the first earlier layer of the kind, not the last
+        f = len(types) - n
+        return list(range(f)) + [min(j for j in range(f) if types[j] == t)
+                                 for t in types[f:]]
+
+    return Case(caller(kinds, c.kv_shared_layers), want,
+                f"the {c.n_layers} layers' K, V sources of {c.name}", _compare_sources, [
+                    (first_of_kind, "a shared layer reads the LAST layer of its kind before "
+                                    f"the shared ones (layer {first - 1} or before)"),
+                    (lambda types, n: list(range(len(types))),
+                     f"the last {c.kv_shared_layers} layers compute no K, V: they read an "
+                     "earlier layer's")])

@@ -53,7 +53,7 @@ class Family:
     # where the family's differs from _read.HF_KEYS' (errors name what the user wrote)
 
 
-from . import gemma3, llama, mistral, olmo2, olmo3  # noqa: E402  (they import Family)
+from . import gemma3, gemma4, llama, mistral, olmo2, olmo3  # noqa: E402  (they import Family)
 from . import qwen2, qwen3, smollm3  # noqa: E402
 from . import mixtral, qwen3_moe  # noqa: E402  (mixtures of experts)
 from . import deepseek_v2, deepseek_v3  # noqa: E402  (latent attention)
@@ -68,6 +68,7 @@ REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     qwen3.FAMILY,
     gemma3.FAMILY,
     olmo2.FAMILY,
+    gemma4.FAMILY,
     mixtral.FAMILY,
     qwen3_moe.FAMILY,
     olmo3.FAMILY,
@@ -82,12 +83,14 @@ REGISTRY: dict[str, Family] = {f.model_type: f for f in (
 # value in its `switches`, or (in `varies`) to what its config.json says
 SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "norm_offset",
             "sandwich_norm", "pre_norm", "mlp_act", "embed_scale", "attn_scale", "layer_types",
-            "rope_local_theta", "n_experts", "n_experts_active", "moe_ffn_size", "moe_router",
-            "moe_renormalize", "mlp_types", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
-            "v_head_dim", "rope_interleave", "n_shared_experts", "moe_groups",
-            "moe_groups_chosen", "moe_scaling", "no_rope_layers", "attn_sinks",
-            "o_bias", "swiglu_limit", "swiglu_alpha", "attn_output_gate",
-            "partial_rotary_factor", "linear_attn", "shared_ffn_size")
+            "rope_local_theta", "global_head_dim", "global_kv_heads", "k_eq_v",
+            "kv_shared_layers", "double_wide_mlp", "ple_size", "ple_vocab", "rope_partial",
+            "v_norm", "layer_scalar", "final_softcap", "n_experts", "n_experts_active",
+            "moe_ffn_size", "moe_router", "moe_renormalize", "mlp_types", "kv_lora_rank",
+            "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
+            "n_shared_experts", "moe_groups", "moe_groups_chosen", "moe_scaling",
+            "no_rope_layers", "attn_sinks", "o_bias", "swiglu_limit", "swiglu_alpha",
+            "attn_output_gate", "partial_rotary_factor", "linear_attn", "shared_ffn_size")
 COMPUTED = ("llmtrace computes Llama-family models "
             f"({', '.join(f.label for f in REGISTRY.values())})")
 # model_types refused by name, for what they compute instead of a Llama block
@@ -100,8 +103,10 @@ YARN = ("deepseek_v3", "deepseek_v2", "gpt_oss")
 # the families whose latent attention is computed (mla.py)
 MLA_COMPUTED = tuple(f.model_type for f in REGISTRY.values() if "kv_lora_rank" in f.varies)
 SOFTCAP = ("gemma2",)
+FINAL_SOFTCAP = ("gemma4_text",)  # its final_logit_softcapping is computed (gemma4.softcap)
 # a family's text model is computed, not this one
-NOT_TEXT = {"gemma3": gemma3.WITH_VISION, "qwen3_5": qwen3_5_text.WITH_VISION}
+NOT_TEXT = {"gemma3": gemma3.WITH_VISION, "gemma4": gemma4.WITH_TOWERS,
+            "qwen3_5": qwen3_5_text.WITH_VISION}
 
 
 def family_of(model_type: str, where: str) -> Family:
@@ -171,6 +176,11 @@ def refuse_unsupported(c: dict, where: str) -> None:
     """Settings that change what the model computes, which this forward pass does not implement:
     running such a checkpoint would print wrong logits as if they were right."""
     family = c.get("model_type", "llama")
+    if family in NOT_TEXT:  # its towers first: the text model alone may be computed
+        raise LlmTraceError(f"{where}: {NOT_TEXT[family]}")
+    if c.get("enable_moe_block"):  # Gemma 4's experts beside the MLP, said by their key
+        raise LlmTraceError(f"{where}: enable_moe_block=true (experts beside each layer's "
+                            f"MLP) is not implemented for Gemma 4: only its dense models")
     experts = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts")
                     if isinstance(c.get(k), int) and c[k] > 0), None)
     if (experts or family in MOE) and family not in WITH_EXPERTS:
@@ -188,7 +198,8 @@ def refuse_unsupported(c: dict, where: str) -> None:
                             f"from a small latent) is implemented for {labels} only: "
                             f"{COMPUTED}")
     capped = next((k for k in ("attn_logit_softcapping", "final_logit_softcapping")
-                   if c.get(k)), None)
+                   if c.get(k) and not (k == "final_logit_softcapping"
+                                        and family in FINAL_SOFTCAP)), None)
     if capped or family in SOFTCAP:
         what = f"{capped}={c[capped]}" if capped else f"model_type {family!r}"
         raise LlmTraceError(f"{where}: attention logit soft-capping ({what}: scores squashed "

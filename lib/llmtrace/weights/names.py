@@ -34,6 +34,11 @@ LAYER_TENSORS = {
     # gpt-oss: each head's sink logit (`attn_sinks`), the output projection's bias (`o_bias`)
     "sinks": ("self_attn.sinks", "attn_sinks.weight"),
     "o_bias": ("self_attn.o_proj.bias", "attn_output.bias"),
+    # Gemma 4's per-layer inputs (`ple_size`) and layer scalar (llama.cpp's gemma3n names)
+    "ple_gate": ("per_layer_input_gate.weight", "inp_gate.weight"),
+    "ple_proj": ("per_layer_projection.weight", "proj.weight"),
+    "ple_norm": ("post_per_layer_input_norm.weight", "post_norm.weight"),
+    "layer_scalar": ("layer_scalar", "layer_output_scale.weight"),
 }
 # Multi-head latent attention (kv_lora_rank set): `mla.MlaWeights`' fields, held in
 # LayerWeights.mla, in place of q_proj, k_proj, v_proj and o_proj
@@ -66,6 +71,10 @@ MODEL_TENSORS = {
     "embed": ("model.embed_tokens.weight", "token_embd.weight"),
     "final_norm": ("model.norm.weight", "output_norm.weight"),
     "lm_head": ("lm_head.weight", "output.weight"),
+    # Gemma 4's per-layer inputs: a second table, and a projection of the embedded stream
+    "ple_table": ("model.embed_tokens_per_layer.weight", "per_layer_token_embd.weight"),
+    "ple_model_proj": ("model.per_layer_model_projection.weight", "per_layer_model_proj.weight"),
+    "ple_model_norm": ("model.per_layer_projection_norm.weight", "per_layer_proj_norm.weight"),
 }
 
 
@@ -135,25 +144,41 @@ def layers_holding(c: Config, field: str) -> int:
     return c.n_layers - moe if field in DENSE_MLP else c.n_layers
 
 
-def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
+def tensor_shapes(c: Config, layer: int = 0) -> dict[str, tuple[int, ...]]:
     """The shape the config implies for each field of `Weights` and `LayerWeights` this config
     has, in model order: a tied LM head has no tensor of its own, a family's extras appear only
-    when its switch is on."""
+    when its switch is on. Layers alike but in Gemma 4 (`varied_layers`): those of `layer`."""
     D, hd, V, F = c.hidden_size, c.head_dim, c.vocab_size, c.ffn_size
+    kv, own_k, own_v = c.kv_size, True, True
+    if c.varied_layers:  # Gemma 4: this layer's head width, KV heads, MLP; shared: no K, V
+        from ..gemma4 import config_layer_shapes
+
+        s = config_layer_shapes(c)[layer]
+        hd, F, kv = s.head_dim, s.ffn_size, s.n_kv_heads * s.head_dim
+        own_k = s.kv_source == layer
+        own_v = own_k and not s.k_eq_v
     shapes = {"embed": (V, D), "attn_norm": (D,)} if c.pre_norm else {"embed": (V, D)}
     if c.linear_attn:  # Qwen3-Next: the DeltaNet layers' tensors
         shapes.update(linear_shapes(c))
+    if c.ple_size:
+        shapes.update(ple_table=(c.ple_vocab, c.n_layers * c.ple_size),
+                      ple_model_proj=(c.n_layers * c.ple_size, D),
+                      ple_model_norm=(c.ple_size,))
     q_rows = 2 * c.n_heads * hd if c.attn_output_gate else c.n_heads * hd  # + a gate per head
     if c.kv_lora_rank:
         shapes.update(mla_shapes(c))
     else:
-        shapes.update(q_proj=(q_rows, D), k_proj=(c.kv_size, D), v_proj=(c.kv_size, D))
+        shapes["q_proj"] = (q_rows, D)
+        if own_k:
+            shapes["k_proj"] = (kv, D)
+        if own_v:
+            shapes["v_proj"] = (kv, D)
     if c.qkv_bias:
         shapes.update(q_bias=(c.n_heads * hd,), k_bias=(c.kv_size,), v_bias=(c.kv_size,))
     if c.qk_proj_norm:  # OLMo 2: one weight over the whole projection
         shapes.update(q_norm=(c.n_heads * hd,), k_norm=(c.kv_size,))
     if c.qk_norm:  # one weight per head dimension, shared by every head
-        shapes.update(q_norm=(hd,), k_norm=(hd,))
+        shapes.update(q_norm=(hd,), **({"k_norm": (hd,)} if own_k else {}))
     if not c.kv_lora_rank:
         shapes["o_proj"] = (D, c.n_heads * hd)
     if c.o_bias:  # gpt-oss
@@ -185,6 +210,11 @@ def tensor_shapes(c: Config) -> dict[str, tuple[int, ...]]:
                            "moe.shared.down": (D, Fs)})
     if c.sandwich_norm:  # and after the MLP
         shapes["post_mlp_norm"] = (D,)
+    if c.ple_size:  # Gemma 4: each layer gates its per-layer input in
+        shapes.update(ple_gate=(c.ple_size, D), ple_proj=(D, c.ple_size),
+                      ple_norm=(D,))
+    if c.layer_scalar:
+        shapes["layer_scalar"] = (1,)
     shapes["final_norm"] = (D,)
     if not c.tied_lm_head:
         shapes["lm_head"] = (V, D)
@@ -230,6 +260,7 @@ def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
     shapes = tensor_shapes(c)
     out = {hf_name(f): shapes[f] for f in MODEL_TENSORS if f in shapes}
     for i in range(c.n_layers):
+        shapes = tensor_shapes(c, i) if c.varied_layers else shapes
         moe = c.is_moe(i)
         out.update({(f"model.layers.{i}.{f}" if f.startswith(LINEAR_PREFIX)
                      else hf_name(f, i, c)): shapes[f] for f in layer_fields(c, i, shapes)})

@@ -1,0 +1,130 @@
+"""Gemma 4, text only (Gemma4ForCausalLM): Gemma 3's block with norms that multiply by their
+weight, V normalized, scores not scaled, wider heads and partial RoPE on the full layers, the
+last layers reading earlier layers' K and V, per-layer inputs, a scalar per layer and soft-capped
+logits. What each computes: gemma4.py. Its MoE variant (enable_moe_block) is refused by that
+key (families.refuse_unsupported), its towers by theirs (gemma4.refuse_unsupported)."""
+
+from ..errors import LlmTraceError
+from ..gemma4 import layer_kinds, refuse_unsupported, rope_settings
+from . import Family
+from ._read import HFKeys
+from .gemma3 import HF_LAYER_KINDS
+
+WITH_TOWERS = ("model_type 'gemma4' (Gemma 4 with its towers: vision_config, audio_config) "
+               "is not implemented: use its text_config alone (gemma4_text), with the weights "
+               "under model.language_model.")
+# what Gemma4ForCausalLM always computes; the other switches vary by model
+GEMMA4_FIXED = dict(qk_norm=True, norm_offset=False, sandwich_norm=True, mlp_act="gelu_tanh",
+                    embed_scale=True, attn_scale=1.0, v_norm=True, layer_scalar=True)
+# HF's default rope_parameters (Gemma4TextConfig.__post_init__)
+DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0}}
+
+
+def full_layer_shape(k: HFKeys, kinds: list[str]) -> tuple[int, int]:
+    """(global_head_dim, global_kv_heads) of the full layers: from `per_layer_config` (as
+    save_pretrained writes it), else `global_head_dim`, `num_global_key_value_heads`."""
+    c, where = k.c, k.where
+    k_eq_v = k.default("attention_k_eq_v", bool)
+    per = c.get("per_layer_config")
+    if per is None:
+        kv = k.get("num_global_key_value_heads", int, None, least=1) if k_eq_v else None
+        return k.get("global_head_dim", int, 512, least=2), kv or 0
+    full = {i for i, t in enumerate(layer_kinds(kinds)) if t == "full"}
+    # keyed by layer: 2, "2" or, as HF's to_dict writes them, "02"
+    if not isinstance(per, dict) or {int(i) for i in per if str(i).isdigit()} != full \
+            or len(per) != len(full):
+        raise LlmTraceError(f"{where}: per_layer_config must give each full layer "
+                            f"({', '.join(map(str, sorted(full)))}) its shape, got {per!r:.60}")
+    shapes = {(v.get("head_dim", c.get("head_dim", 256)), v.get("num_key_value_heads", 0))
+              for v in per.values()}
+    if len(shapes) > 1 or set().union(*map(set, per.values())) - {"head_dim",
+                                                                  "num_key_value_heads"}:
+        raise LlmTraceError(f"{where}: per_layer_config gives the full layers different "
+                            f"shapes, which is not implemented: {per!r:.80}")
+    return next(iter(shapes))
+
+
+def gemma4_switches(k: HFKeys) -> dict:
+    """Gemma 4's fields from its config.json, read as transformers' Gemma4TextConfig."""
+    c, where = k.c, k.where
+    act = c.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise LlmTraceError(f"{where}: hidden_activation {act!r} is not implemented: "
+                            f"Gemma 4's MLP is GeGLU with gelu_pytorch_tanh")
+    n = k.get("num_hidden_layers", int)
+    kinds = c.get("layer_types")
+    if kinds is None:  # HF's default: every 6th layer full, and the last
+        kinds = ["full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention"
+                 for i in range(n)]
+    if not isinstance(kinds, list) or any(t not in HF_LAYER_KINDS for t in kinds):
+        raise LlmTraceError(f"{where}: layer_types must list 'full_attention' or "
+                            f"'sliding_attention' per layer, got {kinds!r:.80}")
+    if kinds and kinds[-1] != "full_attention":
+        raise LlmTraceError(f"{where}: layer_types ends with {kinds[-1]!r}; HF's "
+                            f"Gemma4TextConfig makes the last layer full: write it so")
+    rope = c.get("rope_parameters")
+    rope = DEFAULT_ROPE if rope is None else rope
+    if not isinstance(rope, dict) or any(f"{t}_attention" not in rope
+                                         for t in set(layer_kinds(kinds))):
+        raise LlmTraceError(f"{where}: Gemma 4's rope_parameters are keyed by layer kind "
+                            f"(full_attention, sliding_attention), got {rope!r:.60}")
+    rotary = rope_settings({"layer_types": kinds, "rope_parameters": rope})
+    full_dim, full_kv = full_layer_shape(k, kinds)
+    window = k.default("sliding_window", int, least=1)
+    ple = k.default("hidden_size_per_layer_input", int)
+    shared = k.default("num_kv_shared_layers", int)
+    cap = k.get("final_logit_softcapping", float, None)
+    if cap is not None and not cap > 0:
+        raise LlmTraceError(f"{where}: final_logit_softcapping={cap!r} must be positive, or "
+                            f"null for none")
+    theta, fraction = rotary.get("full", (1e6, 1.0))
+    local = rotary.get("sliding", (theta, 1.0))[0]
+    return dict(sliding_window=window, layer_types=tuple(HF_LAYER_KINDS[t] for t in kinds),
+                rope_theta=theta, rope_local_theta=local, rope_partial=fraction,
+                global_head_dim=full_dim, global_kv_heads=full_kv,
+                k_eq_v=k.default("attention_k_eq_v", bool), kv_shared_layers=shared,
+                double_wide_mlp=k.default("use_double_wide_mlp", bool), ple_size=ple,
+                ple_vocab=k.default("vocab_size_per_layer_input", int) if ple else 0,
+                final_softcap=float(cap or 0.0))
+
+
+def gemma4_to_hf(c, hf: dict) -> dict:
+    """A Llama config.json made into Gemma4TextConfig's."""
+    for key in ("hidden_act", "mlp_bias", "rope_theta"):
+        hf.pop(key)
+    kinds = {v: k for k, v in HF_LAYER_KINDS.items()}
+    full = {"rope_type": "proportional", "rope_theta": c.rope_theta,
+            "partial_rotary_factor": c.rope_partial}
+    return {**hf, "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
+            "hidden_activation": "gelu_pytorch_tanh",
+            "layer_types": [kinds[t] for t in c.layer_types or ("full",) * c.n_layers],
+            "rope_parameters": {
+                "full_attention": full,
+                "sliding_attention": {"rope_type": "default",
+                                      "rope_theta": c.rope_local_theta or c.rope_theta}},
+            "sliding_window": c.sliding_window or 512,
+            "global_head_dim": c.global_head_dim or c.head_dim,
+            **({"num_global_key_value_heads": c.global_kv_heads} if c.global_kv_heads else {}),
+            "attention_k_eq_v": c.k_eq_v, "num_kv_shared_layers": c.kv_shared_layers,
+            "use_double_wide_mlp": c.double_wide_mlp,
+            "hidden_size_per_layer_input": c.ple_size,
+            "vocab_size_per_layer_input": c.ple_vocab or c.vocab_size,
+            "final_logit_softcapping": c.final_softcap or None,
+            "enable_moe_block": False, "use_bidirectional_attention": None}
+
+
+FAMILY = Family("gemma4_text", "Gemma 4", "Gemma4ForCausalLM", "Gemma4TextConfig",
+                {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "head_dim": 256,
+                 "num_key_value_heads": 4, "max_position_embeddings": 131072,
+                 "bos_token_id": 2, "eos_token_id": 1, "sliding_window": 512,
+                 "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144,
+                 "attention_k_eq_v": False, "num_kv_shared_layers": 0,
+                 "use_double_wide_mlp": False},
+                switches=GEMMA4_FIXED,
+                varies=("sliding_window", "layer_types", "rope_local_theta", "rope_partial",
+                        "global_head_dim", "global_kv_heads", "k_eq_v", "kv_shared_layers",
+                        "double_wide_mlp", "ple_size", "ple_vocab", "final_softcap"),
+                read=gemma4_switches, write=gemma4_to_hf, refuse=refuse_unsupported,
+                biased=("attention_bias",), not_null=("num_key_value_heads", "head_dim"))
