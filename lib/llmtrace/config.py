@@ -64,12 +64,9 @@ def config_problems(v: dict, key=str) -> list[str]:
         problems.append("pre_norm=False without sandwich_norm: a block with no norm is no "
                         "model computed here; OLMo 2 sets sandwich_norm=True")
     types = v["layer_types"]
-    if not isinstance(types, tuple) or any(t not in LAYER_KINDS for t in types):
-        problems.append(f"{key('layer_types')}={types!r} must be a tuple of "
-                        f"{', '.join(map(repr, LAYER_KINDS))}")
-    elif types and len(types) != v["n_layers"]:
-        problems.append(f"{key('layer_types')} names {len(types)} layers, "
-                        f"{key('n_layers')}={v['n_layers']}")
+    wrong = per_layer_problem(v, "layer_types", LAYER_KINDS, key)
+    if wrong:
+        problems.append(wrong)
     elif "sliding" in types and not v["sliding_window"]:
         problems.append(f"{key('layer_types')} has sliding layers but {key('sliding_window')}="
                         f"{v['sliding_window']}: give its width")
@@ -91,13 +88,9 @@ def config_problems(v: dict, key=str) -> list[str]:
         problems.append(f"attn_output_gate={v['attn_output_gate']!r} must be True or False")
     problems += gemma4_problems(v, key)
     problems += moe_problems(v, key)
-    flags = v["no_rope_layers"]
-    if not isinstance(flags, tuple) or any(f not in (0, 1) or isinstance(f, bool) for f in flags):
-        problems.append(f"{key('no_rope_layers')}={flags!r:.60} must be a tuple of 1 (RoPE) or 0 "
-                        f"(none) per layer")
-    elif flags and len(flags) != v["n_layers"]:
-        problems.append(f"{key('no_rope_layers')} names {len(flags)} layers, "
-                        f"{key('n_layers')}={v['n_layers']}")
+    wrong = per_layer_problem(v, "no_rope_layers", (1, 0), key)  # 1: RoPE, 0: none (NoPE)
+    if wrong:
+        problems.append(wrong)
     scaling = dict(v["rope_scaling"])
     if scaling.get("rope_type") == "yarn":  # YaRN (DeepSeek-V3, gpt-oss): rope.py checks its keys
         problems += yarn_problems(scaling, key)
@@ -138,6 +131,20 @@ def gemma4_problems(v: dict, key=str) -> list[str]:
     return problems
 
 
+def per_layer_problem(v: dict, field: str, allowed: tuple, key=str) -> str | None:
+    """What is wrong with a per-layer tuple (layer_types, mlp_types, no_rope_layers): a value
+    outside `allowed`, or a length other than n_layers; None if nothing. () is every layer
+    alike."""
+    value = v[field]
+    if not isinstance(value, tuple) or any(isinstance(t, bool) or t not in allowed
+                                           for t in value):
+        return (f"{key(field)}={value!r:.60} must be a tuple of "
+                f"{' or '.join(map(repr, allowed))}, one per layer")
+    if value and len(value) != v["n_layers"]:
+        return f"{key(field)} names {len(value)} layers, {key('n_layers')}={v['n_layers']}"
+    return None
+
+
 def moe_problems(v: dict, key=str) -> list[str]:
     """What makes the mixture-of-experts fields no model: k of E experts, each expert's own
     width, a router moe.py computes, each layer's kind of MLP."""
@@ -164,12 +171,9 @@ def moe_problems(v: dict, key=str) -> list[str]:
         problems.append(f"{key('moe_renormalize')}={v['moe_renormalize']!r} must be True or "
                         f"False")
     kinds = v["mlp_types"]
-    if not isinstance(kinds, tuple) or any(t not in MLP_TYPES for t in kinds):
-        problems.append(f"{key('mlp_types')}={kinds!r} must be a tuple of "
-                        f"{' or '.join(map(repr, MLP_TYPES))}")
-    elif kinds and len(kinds) != v["n_layers"]:
-        problems.append(f"{key('mlp_types')} names {len(kinds)} layers, "
-                        f"{key('n_layers')}={v['n_layers']}")
+    wrong = per_layer_problem(v, "mlp_types", MLP_TYPES, key)
+    if wrong:
+        problems.append(wrong)
     elif "moe" in kinds and not E:
         problems.append(f"{key('mlp_types')} has MoE layers but {key('n_experts')}=0")
     G, chosen = v["moe_groups"], v["moe_groups_chosen"]
