@@ -145,7 +145,7 @@ def bench_forward(model, hf, repeats: dict[int, int]) -> dict:
                   "values_vs_hf_spread": r.spread("values", "hf"),
                   "page_faults_values": r.page_faults("values"), "trace_bytes": trace.nbytes(),
                   "trace_records": len(trace),
-                  "trace_recomputed": sum(rec.held is None for rec in trace),
+                  "trace_recomputed": sum(rec.recomputed for rec in trace),
                   "held_trace_bytes": held.nbytes()}
         if "held" in fns:
             out[n].update({"held_vs_hf": r.ratio("held", "hf"),

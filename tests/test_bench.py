@@ -39,7 +39,7 @@ def test_freed_memory_is_reused_not_faulted_in_again():
 
 def test_trace_bytes_count_shared_memory_once(prompt_trace):
     _, trace = prompt_trace
-    kept = [r.held for r in trace if r.held is not None]  # not those recomputed when read
+    kept = [r.tensor for r in trace if r.kept and not r.recomputed]
     naive = sum(t.numel() * t.element_size() for t in kept)
     # q is a view of q_proj, and the one causal mask is recorded in every layer
     assert trace["layers.0.attn.q"].untyped_storage().data_ptr() == trace["layers.0.attn.q_proj"].data_ptr()

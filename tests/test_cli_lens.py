@@ -40,3 +40,16 @@ def test_lens_refuses_shapes_only(capsys):
     err = capsys.readouterr().err
     assert err.strip() == ("error: --lens needs values and --shapes-only has none: "
                            "drop one of the two")
+
+
+def test_lens_ends_on_the_greedy_token_for_every_kind_of_layer(capsys, tmp_path):
+    """Gemma 4 adds a per-layer input and a layer scalar after resid_out, and soft-caps the
+    logits: the lens reads all of it, so its last layer's top token is the one generated."""
+    from tiny_checkpoint import make_tiny_checkpoint
+
+    d = make_tiny_checkpoint(tmp_path / "tiny-gemma4", family="gemma4_text")
+    assert main(["--model", str(d), "--lens", "--json", "--max-new-tokens", "1", PROMPT]) == 0
+    out = json.loads(capsys.readouterr().out)
+    lens = out["lens"]
+    assert lens["top_ids"][-1][-1] == lens["greedy_id"] == out["generated_ids"][0]
+    assert abs(lens["greedy_probs"][-1] - out["top10"][0]["prob"]) < 1e-4

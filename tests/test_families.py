@@ -15,9 +15,10 @@ import transformers
 from llmtrace import Config, LlmTraceError, generate, load_model, meta_model
 from llmtrace.attention import causal_mask, window_mask
 from llmtrace.gemma4 import proportional_frequencies
+from llmtrace.lens import keeps_stream, lens_grid, logit_lens
 from llmtrace.model import Model, estimate_trace_bytes, trace_bytes
 from llmtrace.rope import rope_frequencies
-from llmtrace.trace import Trace
+from llmtrace.trace import Trace, TracePool
 from llmtrace.weights.names import tensor_shapes
 from tiny_checkpoint import ROWS, hf_config, make_tiny_checkpoint
 
@@ -101,6 +102,47 @@ def test_trace_bytes_count_the_family(family):
     kept = sum(r.tensor.numel() * r.tensor.element_size() for r in trace if r.tensor is not None)
     assert estimate_trace_bytes(model.config, T) == trace_bytes(model.config, Trace(names="*"),
                                                                 T) == kept
+
+
+def test_every_record_reads_what_its_op_made_through_the_pool(family):
+    """The pool's copies and their views read, in every family, as the tensors the ops made:
+    values bit for bit, dtype, shape, strides; and a second pass into returned memory too."""
+    f, model, _, ids = family
+
+    class EveryTensorKept(Trace):
+        def __init__(self):
+            super().__init__(pool=None)
+
+        def record(self, name, op, tensor, macs=0, recompute=None):
+            super().record(name, op, tensor.clone(), macs)  # the values at record time
+            return tensor  # and what flows on is the op's own, as in the traced pass
+
+    made = EveryTensorKept()
+    model.forward(ids, made)
+    pool = TracePool()
+    model.forward(ids.flip(1), Trace(pool=pool))  # dropped at once: its memory goes to the pool
+    trace = Trace(pool=pool)
+    model.forward(ids, trace)
+    assert trace.names == made.names
+    for r, m in zip(trace, made):
+        if r.kept:
+            assert (r.tensor.dtype, r.tensor.shape) == (m.tensor.dtype, m.tensor.shape), r.name
+            assert torch.equal(r.tensor, m.tensor), (f, r.name)
+
+
+def test_the_lens_at_the_last_layer_is_the_models_output(family):
+    """Whatever a layer adds to the stream after resid_out, and whatever follows the head, is
+    in the lens: its last layer gives the model's own probabilities, at every position."""
+    f, model, _, ids = family
+    logits, trace = model.run(ids)
+    own = logits[0].softmax(-1)  # [T, V]
+    lens = logit_lens(model, trace, position=-1)  # [L, V]
+    assert torch.allclose(lens[-1], own[-1], atol=1e-6), f
+    grid = lens_grid(model, trace)
+    assert torch.equal(grid.top_ids[-1], own.argmax(-1)), f
+    # the CLI keeps only what the lens reads, and reads the same
+    _, kept = model.run(ids, names=keeps_stream)
+    assert torch.equal(lens_grid(model, kept).top_ids, grid.top_ids), f
 
 
 def test_llama3_frequencies_match_hf(family):

@@ -151,13 +151,14 @@ def shapes_tokenizer(model: str | None, config):
 
 def run_live(args) -> dict:
     from .generate import Tracing, generate
+    from .lens import keeps_stream
     from .load import load_model
     from .tokenize import display_piece
 
     model = load_model(args.model)
     # the CLI prints the prefill's shapes and logits: no values (but the lens's), no later steps
     # (flat memory)
-    tracing = Tracing(keep_values=args.lens, names="layers.*.resid_out", steps=1)
+    tracing = Tracing(keep_values=args.lens, names=keeps_stream, steps=1)
     g = generate(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                  args.seed, trace=tracing)
     tok = model.tokenizer

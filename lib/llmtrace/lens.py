@@ -1,17 +1,16 @@
 """The logit lens: what the model would predict if it stopped after layer N.
 
-Apply the final norm and the LM head (the model's own functions and weights) to the residual
-stream after each layer, at one position. The last layer's lens is the model's real output.
+Apply the model's own head (the final norm, the LM head and whatever follows it, `Model.head`)
+to the residual stream as each layer hands it on, at one position. The last layer's lens is the
+model's real output.
 """
 
 import numbers
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from .errors import LlmTraceError
-from .norm import rms_norm
 
 
 def check_position(position, T: int) -> None:
@@ -27,18 +26,30 @@ def check_token(token, V: int) -> None:
                             f"encode it with the model's tokenizer")
 
 
+def stream_out(trace, i: int) -> str:
+    """The name of the record that holds the residual stream as layer i hands it on: the
+    layer's last record (`resid_out`, unless the layer adds to the stream after its MLP)."""
+    return trace.find(f"layers.{i}.*")[-1].name
+
+
+def keeps_stream(name: str) -> bool:
+    """A trace filter (`names=`) that keeps what the lens reads, and only that."""
+    return name.startswith("layers.") and name.rsplit(".", 1)[1] in STREAM_OUT
+
+
+# the records a layer's stream can leave it by: after the MLP's add, Gemma 4's per-layer input
+# and layer scalar
+STREAM_OUT = ("resid_out", "resid_ple", "layer_scaled")
+
+
 @torch.inference_mode()
 def logit_lens(model, trace, position: int = -1) -> torch.Tensor:
-    """Probabilities [n_layers, V] at `position`, from `layers.N.resid_out` of a trace
-    with values."""
-    w, c = model.weights, model.config
+    """Probabilities [n_layers, V] at `position`, from the stream leaving each layer
+    (`layers.N.resid_out`) in a trace with values."""
     check_position(position, trace.shape("tokens")[1])
-    resid = torch.stack([trace[f"layers.{i}.resid_out"][0, position]
-                         for i in range(c.n_layers)])  # [L, D]
-    x = rms_norm(resid, w.final_norm, c.norm_eps,
-                 offset=c.norm_offset)  # [L, D]
-    logits = F.linear(x, w.lm_head)  # [L, V]
-    return logits.softmax(-1)
+    resid = torch.stack([trace[stream_out(trace, i)][0, position]
+                         for i in range(model.config.n_layers)])  # [L, D]
+    return model.head(resid).softmax(-1)  # [L, V]
 
 
 class LensGrid(NamedTuple):
@@ -49,16 +60,20 @@ class LensGrid(NamedTuple):
 
 @torch.inference_mode()
 def lens_grid(model, trace, token: int | None = None) -> LensGrid:
-    """The logit lens at every layer and every position, from `layers.N.resid_out` of a trace
-    with values. One layer at a time, so a long prompt never holds [L, T, V] probabilities."""
-    w, c = model.weights, model.config
+    """The logit lens at every layer and every position, from the stream leaving each layer in
+    a trace with values."""
+    streams = [trace[stream_out(trace, i)][0] for i in range(model.config.n_layers)]  # [T, D]
+    return grid_of(model.head, streams, model.config.vocab_size, token)
+
+
+def grid_of(head, streams, vocab_size: int, token: int | None = None) -> LensGrid:
+    """`lens_grid` of the streams [T, D] leaving each layer, through `head` ([T, D] ->
+    [T, V]). One layer at a time, so a long prompt never holds [L, T, V] probabilities."""
     if token is not None:
-        check_token(token, c.vocab_size)
+        check_token(token, vocab_size)
     top_ids, top_probs, token_probs = [], [], []
-    for i in range(c.n_layers):
-        resid = trace[f"layers.{i}.resid_out"][0]  # [T, D]
-        x = rms_norm(resid, w.final_norm, c.norm_eps, offset=c.norm_offset)  # [T, D]
-        probs = F.linear(x, w.lm_head).softmax(-1)  # [T, V]
+    for stream in streams:
+        probs = head(stream).softmax(-1)  # [T, V]
         p, ids = probs.max(-1)  # [T] each
         top_ids.append(ids)
         top_probs.append(p)

@@ -295,11 +295,17 @@ class Model:
                 layer_pos = replace(layer_pos, rope=False)
             x = block(x, lw, c, layer_pos, layer_cache, trace,
                       f"layers.{i}")  # [B, T, D]
+        return self.head(x, trace)  # [B, T, V]
+
+    def head(self, x: torch.Tensor, trace=NO_TRACE) -> torch.Tensor:
+        """The residual stream [..., D] to logits [..., V]: the final norm, then the LM head
+        (and what follows it in the model). The logit lens reads any layer's stream through it."""
+        c, w = self.config, self.weights
         x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm",
                      c.norm_offset)  # [B, T, D]
         logits = F.linear(x, w.lm_head)  # [B, T, V]
         head = "tied: embed_tokens" if c.tied_lm_head else "lm_head"
-        macs = x.shape[0] * x.shape[1] * c.hidden_size * c.vocab_size
+        macs = math.prod(x.shape[:-1]) * c.hidden_size * c.vocab_size
         logits = trace.record("lm_head", f"x @ W^T ({head})", logits, macs)
         if c.final_softcap:  # Gemma 4: logits squashed below the cap
             logits = softcap(logits, c.final_softcap, trace)  # [B, T, V]

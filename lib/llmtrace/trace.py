@@ -1,9 +1,9 @@
 """The trace: an ordered record of every operation's output.
 
 Each layer calls `trace.record(name, op, tensor, macs)` once per operation and gets its tensor
-back. Names say where and what, following the module tree: `layers.3.attn.scores`. The record
-keeps the tensor (the very values the next op reads) unless the trace was asked for shapes only or
-for a subset of names. With tracing off, `NO_TRACE.record` just returns the tensor.
+back, to flow on to the next op. Names say where and what, following the module tree:
+`layers.3.attn.scores`. The record keeps the tensor's values unless the trace was asked for shapes
+only or for a subset of names. With tracing off, `NO_TRACE.record` just returns the tensor.
 
 What a trace of every value holds, and where it lives:
 - an op whose output is a cheap function of records kept before it says so
@@ -12,9 +12,10 @@ What a trace of every value holds, and where it lives:
   record keeps no tensor and computes it from those records when read, the same bits as the op;
 - a view of a record (`q` of `q_proj`) and a tensor recorded under several names (the causal
   mask of every layer) share memory with it;
-- the rest is copied into buffers of a `TracePool`: a dropped trace hands its buffers
-  back, and the next trace writes into memory the process already has instead of fresh pages that
-  the kernel must map and zero one by one (glibc returns a large freed block to it).
+- the rest is copied into buffers of a `TracePool`: a dropped trace hands back the buffers no
+  reader was ever given, and the next trace writes into memory the process already has instead
+  of fresh pages that the kernel must map and zero one by one (glibc returns a large freed block
+  to it).
 
 A patch changes a named tensor as it flows: `Patched` wraps a trace (or `NO_TRACE`), hands each
 matching operation's output to the patch function, and passes on (and records) what it returns.
@@ -30,14 +31,26 @@ import inspect
 import re
 import sys
 import textwrap
+import threading
 import weakref
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 
 from .errors import LlmTraceError
+
+
+class _Buffer:
+    """One value a trace keeps in its pool's memory. `lent` turns true the first time a reader
+    is handed a tensor on it: from then on the memory is the reader's, freed when the last
+    reference goes, and never returned to the pool."""
+
+    __slots__ = ("tensor", "lent", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.lent = tensor, False
 
 
 @dataclass(slots=True, eq=False)
@@ -47,26 +60,55 @@ class Record:
     shape: tuple[int, ...]
     dtype: str  # "float32", "int64"
     macs: int  # multiply-adds this op performed (0 for lookups, reshapes and element-wise ops)
-    held: torch.Tensor | None  # the tensor kept; None for shapes only, a filtered-out name, or:
+    # the tensor kept; None for shapes only, a filtered-out name, or a recipe's record. Read it
+    # through `tensor`, which lends its memory to the reader (`_Buffer`)
+    _held: torch.Tensor | None = field(default=None, repr=False)
     recipe: tuple | None = None  # (fn, *records): the tensor is fn of theirs, computed when read
+    _buffer: _Buffer | None = field(default=None, repr=False)  # the pool memory _held is on
 
     @property
     def tensor(self) -> torch.Tensor | None:
         """The recorded tensor (None when the trace keeps none for this name)."""
+        return self._read(lend=True)
+
+    def _read(self, lend: bool) -> torch.Tensor | None:
+        """The tensor; lend=True for a reader outside the trace, whose memory it becomes."""
         if self.recipe is None:
-            return self.held
+            if lend and self._buffer is not None:
+                self._buffer.lent = True
+            return self._held
         fn, *inputs = self.recipe
         with torch.inference_mode():  # as the pass made it
-            return fn(*(r.tensor for r in inputs))
+            out = fn(*(r._read(lend=False) for r in inputs))
+        if lend:  # fn's output is new memory, unless it is a view of an input's
+            where = out.untyped_storage().data_ptr()
+            for r in _leaves(inputs):
+                if r._held.untyped_storage().data_ptr() == where:
+                    r._read(lend=True)
+        return out
 
     @property
     def kept(self) -> bool:
         """Does reading this record give a tensor (held, or recomputed from held ones)?"""
-        return self.held is not None or self.recipe is not None
+        return self._held is not None or self.recipe is not None
+
+    @property
+    def recomputed(self) -> bool:
+        """Is the tensor computed when read, from the records it is a function of?"""
+        return self.recipe is not None
 
     def to_dict(self) -> dict:
         return {"name": self.name, "op": self.op, "shape": list(self.shape), "dtype": self.dtype,
                 "macs": self.macs}
+
+
+def _leaves(records) -> Iterator[Record]:
+    """The records that hold the tensors a recipe reads, through recipes of recipes."""
+    for r in records:
+        if r.recipe is None:
+            yield r
+        else:
+            yield from _leaves(r.recipe[1:])
 
 
 def _owns_its_memory(t: torch.Tensor) -> bool:
@@ -76,12 +118,6 @@ def _owns_its_memory(t: torch.Tensor) -> bool:
             and s.nbytes() == t.numel() * t.element_size())
 
 
-def _storage_uses(storage) -> int | None:
-    """How many tensors (and storage objects) share this memory; None if torch cannot say."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if use_count is None else use_count(storage._cdata)
-
-
 class TracePool:
     """Memory for the kept values of traces, reused from one trace to the next.
 
@@ -89,46 +125,65 @@ class TracePool:
     Allocated afresh in each pass, every page of it is mapped and zero-filled by the kernel on
     first touch, because glibc's malloc hands a large freed block back to the operating system:
     for a 256-token pass, some 170,000 page faults, 0.35x of a plain forward. So a trace copies
-    each value it keeps into a buffer of its pool, and a dropped trace returns its buffers here:
-    the next pass of the same shapes writes into memory the process already has. A buffer that
-    something still reads (a tensor or a view kept from the trace) is not returned. The pool
-    holds what the last dropped trace returned, at most one trace's bytes: `clear()` frees it.
+    each value it keeps into a buffer of its pool (the op's own output flows on to the next op),
+    and a dropped trace returns its buffers here: the next pass of the same shapes writes into
+    memory the process already has.
+
+    Returned is only memory that nothing outside the trace can have reached, which the trace
+    knows for itself rather than asks PyTorch: a buffer never flows on through the model, and a
+    reader gets one only through a record (`Record.tensor`, `trace[name]`), which marks it lent
+    for good. So a buffer comes back when no reader was ever handed it, no record or copy of the
+    trace still refers to it, and it was not moved to shared memory. A lent buffer is the
+    reader's: freed when their last reference goes, whatever they made of it (a view, a storage,
+    a NumPy array, a tensor sent to another process). The pool holds what the last dropped trace
+    returned, at most one trace's bytes: `clear()` frees it. Several threads may trace at once.
     Nothing changes for the rest of the process (no malloc setting). Every trace uses `POOL`
     unless given another (pool=None: none, each value kept where its op wrote it).
     """
 
     def __init__(self):
         self._free: dict[tuple, list] = {}  # (shape, stride, dtype, device) -> storages
+        # reentrant: a trace dropped by the garbage collector inside `take` gives in this thread
+        self._lock = threading.RLock()
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
         """A tensor laid out as `like`: in returned memory if there is some, else new."""
         key = (like.shape, like.stride(), like.dtype, like.device)
-        free = self._free.get(key)
-        if not free:
+        with self._lock:
+            free = self._free.get(key)
+            storage = free.pop() if free else None
+        if storage is None:
             return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype,
                                        device=like.device)
         out = torch.empty(0, dtype=like.dtype, device=like.device)
-        return out.set_(free.pop(), 0, like.shape, like.stride())
+        return out.set_(storage, 0, like.shape, like.stride())
 
-    def give(self, buffers: list[torch.Tensor]) -> None:
-        """A dropped trace's buffers (the list is emptied): the memory of those that nothing
-        else reads (no reference to the tensor, no view of it) replaces what the pool held."""
+    def give(self, buffers: list[_Buffer]) -> None:
+        """A dropped trace's buffers (the list is emptied): the memory of those that no reader
+        was lent, and no record still refers to, replaces what the pool held."""
         free: dict[tuple, list] = {}
         while buffers:
             b = buffers.pop()
-            key = (b.shape, b.stride(), b.dtype, b.device)
-            storage, alive = b.untyped_storage(), weakref.ref(b)
-            del b  # the last reference here: alive() is None unless someone else holds it
-            if alive() is None and _storage_uses(storage) == 1:  # 1: `storage` itself
+            t = b.tensor
+            key = (t.shape, t.stride(), t.dtype, t.device)
+            storage, alive, lent = t.untyped_storage(), weakref.ref(b), b.lent
+            del b, t  # the last references here: alive() is None unless a record holds it
+            if not lent and alive() is None and not storage.is_shared():
                 free.setdefault(key, []).append(storage)
-        self._free = free
+        with self._lock:
+            self._free = free
 
     def nbytes(self) -> int:
         """Bytes the pool holds for the next trace."""
-        return sum(s.nbytes() for free in self._free.values() for s in free)
+        with self._lock:
+            return sum(s.nbytes() for free in self._free.values() for s in free)
 
     def clear(self) -> None:
-        self._free = {}
+        with self._lock:
+            self._free = {}
+
+    def __deepcopy__(self, memo):  # a copied trace writes into the same process's pool
+        return self
 
 
 POOL = TracePool()  # the traces' pool, unless a trace is given its own
@@ -170,25 +225,26 @@ class Trace:
         self.records: list[Record] = []
         self._index: dict[str, Record] = {}
         self.pool = pool  # where kept values are copied to (`TracePool`)
-        self._buffers: list[torch.Tensor] = []  # the pool's buffers this trace's values live in
-        self._storages: set[int] = set()  # their addresses: a view of one is kept as it is
-        self._copies: dict = {}  # id(tensor) -> (weakref to it, its copy): one copy per tensor
+        self._buffers: list[_Buffer] = []  # the pool memory this trace's values live in
+        # the address of each storage copied from -> (a weak reference to that storage, the
+        # copy's buffer): a view of it, or the same tensor recorded again, is kept on the
+        # buffer, not copied once more. PyTorch keeps one Python object per storage for as
+        # long as the memory lives, so the reference dies with the memory, views and all
+        self._copied: dict[int, tuple[weakref.ref, _Buffer]] = {}
 
     def record(self, name: str, op: str, tensor: torch.Tensor, macs: int = 0,
                recompute: tuple | None = None) -> torch.Tensor:
-        """Record one op's output and return the tensor that flows on. recompute=(fn, *names):
-        the output is fn of the tensors of those records (made before it); when they keep their
-        tensors, this record keeps none and computes it when read."""
+        """Record one op's output and return it, to flow on. recompute=(fn, *names): the output
+        is fn of the tensors of those records (made before it); when they keep their tensors,
+        this record keeps none and computes it when read."""
         keep = self.keep_values and tensor.device.type != "meta" and self._keep(name)
-        held = recipe = None
+        held = recipe = buffer = None
         if keep:
             recipe = self._recipe(recompute)
             if recipe is None:
-                held = self._hold(tensor)
-                if held.data_ptr() != tensor.data_ptr():  # a copy in the pool's memory flows on
-                    tensor = held
+                held, buffer = self._hold(tensor)
         rec = Record(name, op, tuple(tensor.shape), _dtype_name(tensor.dtype), int(macs),
-                     held, recipe)
+                     held, recipe, buffer)
         self.records.append(rec)
         self._index[name] = rec  # a name recorded twice (never by the model) keeps its latest
         return tensor
@@ -203,30 +259,44 @@ class Trace:
             return None
         return (fn, *inputs)
 
-    def _hold(self, t: torch.Tensor) -> torch.Tensor:
-        """The tensor to keep for t: t itself without a pool, when t is a view of memory kept
-        already (a record of this trace, a KV cache) or a tensor the model's pass did not make
-        (made outside inference mode); else a copy in one of the pool's buffers, which flows on
-        in t's place (made once, however many names record t)."""
-        if self.pool is None or t.untyped_storage().data_ptr() in self._storages:
-            return t.detach()
-        ref, copy = self._copies.get(id(t), (None, None))
-        if ref is not None and ref() is t:
-            return copy
-        if not _owns_its_memory(t) or not t.is_inference():  # a view, or not the pass's own
-            return t.detach()  # (the caller's token ids, a sampling step's outside the model)
-        copy = self.pool.take(t).copy_(t.detach())
-        self._buffers.append(copy)
-        self._storages.add(copy.untyped_storage().data_ptr())
-        self._copies[id(t)] = (weakref.ref(t), copy)
-        return copy
+    def _hold(self, t: torch.Tensor) -> tuple[torch.Tensor, _Buffer | None]:
+        """What to keep for t, and the pool buffer it is on: t itself without a pool, or when t
+        is a view of memory the pass did not make here (a KV cache, the caller's token ids, a
+        sampling step's outside the model); the buffer of the tensor t views, when that tensor
+        was copied already (`q` viewing `q_proj`, the causal mask recorded in every layer); else
+        a copy of t in a new buffer of the pool. t itself flows on, never the copy."""
+        if self.pool is None:
+            return t.detach(), None
+        storage = t.untyped_storage()
+        ref, buffer = self._copied.get(storage.data_ptr(), (None, None))
+        if ref is not None and ref() is storage:  # the memory copied, not a reuse of its address
+            kept = buffer.tensor
+            if (t.shape, t.stride(), t.storage_offset()) == (kept.shape, kept.stride(), 0):
+                return kept, buffer
+            if t.dtype == kept.dtype:  # t's own layout, on the buffer's memory
+                view = torch.empty(0, dtype=t.dtype, device=t.device)
+                return view.set_(kept.untyped_storage(), t.storage_offset(), t.shape,
+                                 t.stride()), buffer
+        if not _owns_its_memory(t) or not t.is_inference():
+            return t.detach(), None
+        buffer = _Buffer(self.pool.take(t).copy_(t.detach()))
+        self._buffers.append(buffer)
+        self._copied[storage.data_ptr()] = (weakref.ref(storage), buffer)
+        return buffer.tensor, buffer
 
     def __del__(self):
         # the kept values' memory goes back to the pool, for the next trace to write into
         buffers = getattr(self, "_buffers", None)
         if buffers and self.pool is not None:
-            self.records, self._index, self._copies, self._buffers = [], {}, {}, []
+            self.records, self._index, self._copied, self._buffers = [], {}, {}, []
             self.pool.give(buffers)
+
+    def __getstate__(self) -> dict:
+        """A copy (copy, deepcopy, pickle) holds its records and owns no pool memory: the
+        buffers stay this trace's, and go back to the pool only when no record refers to them."""
+        state = dict(self.__dict__)
+        state.update(_buffers=[], _copied={}, pool=None)
+        return state
 
     # --- look-ups ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -293,8 +363,8 @@ class Trace:
         once. A record recomputed when read holds none."""
         storages = {}
         for r in self.records:
-            if r.held is not None:
-                s = r.held.untyped_storage()
+            if r._held is not None:
+                s = r._held.untyped_storage()
                 storages[s.data_ptr()] = s.nbytes()
         return sum(storages.values())
 
