@@ -208,6 +208,25 @@ def test_bad_input_is_one_line_and_the_next_run_works(page, runs, prompt, opts, 
     assert js(browser, 'llmtrace.run("Hi").then(r => r.ids.length)') == 1
 
 
+@pytest.mark.parametrize("prompt, got", [
+    ("{a: 1}", "an object"), ("{f: () => 1}", "an object"), ("42", "a number"),
+    ("null", "null"), ("undefined", "undefined"), ('["Hi"]', "an array"),
+])
+def test_a_prompt_that_is_not_text_is_one_line(page, runs, prompt, got):
+    """Refused by the page before anything is posted to the worker: posted, an object that
+    cannot be cloned rejected with the browser's DOMException and its request stayed waiting
+    (`llmtrace.waiting`, the requests the worker has not answered)."""
+    browser = page[0]
+    before = browser.js("llmtrace.waiting")
+    lines = js(browser, f"""Promise.all([llmtrace.run({prompt}), llmtrace.encode({prompt})]
+        .map(p => p.then(() => "ran", e => `${{e.constructor.name}}: ${{e.message}}`)))""")
+    assert lines[0].startswith(f"Error: the prompt must be a string, got {got}: "), lines
+    assert lines[1].startswith(f"Error: the text to encode must be a string, got {got}: "), lines
+    assert not any("\n" in line for line in lines)
+    assert before == 0 and browser.js("llmtrace.waiting") == before
+    assert js(browser, 'llmtrace.run("Hi").then(r => r.ids.length)') == 1
+
+
 @pytest.fixture(scope="module")
 def clicked(page, runs):
     """Run pressed twice at once on the page, with the first prompt: the second press is

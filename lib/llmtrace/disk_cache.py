@@ -61,6 +61,19 @@ def cache_dir() -> Path:
     return d
 
 
+def cache_subdir(name: str) -> Path:
+    """cache_dir() / name, made if missing. A file in its place, or a cache it cannot be made in
+    (read-only), is refused in one line: mkdir's own error is a traceback."""
+    d = cache_dir() / name
+    if d.exists() and not d.is_dir():
+        raise LlmTraceError(f"{d} is a file, not a directory: move it away, "
+                            f"or set LLMTRACE_CACHE to another directory")
+    if not d.is_dir():
+        check_writable(d.parent)
+        d.mkdir(exist_ok=True)
+    return d
+
+
 def check_writable(d: Path, need_bytes: int = 0) -> None:
     """Before a slow build: can files be written in `d`, and is there room for `need_bytes`?"""
     try:
@@ -131,8 +144,10 @@ def atomic_path(final: Path, directory: bool = False):
             for f in (tmp.iterdir() if directory else [tmp]):
                 if f.is_file():
                     f.chmod(FILE_MODE)
-            if directory and final.exists():
+            if directory and final.is_dir():
                 shutil.rmtree(final)
+            elif directory and final.exists():  # a file where the directory goes (damage)
+                final.unlink()
             os.replace(tmp, final)
         except OSError as e:
             raise _disk_full(e, final) from None

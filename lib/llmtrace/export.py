@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
@@ -38,6 +39,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -156,13 +158,14 @@ class _Lens(torch.nn.Module):
     def forward(self, resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from types import SimpleNamespace
 
-        from .lens import lens_grid
+        from .lens import grid_of
 
         buffers = dict(self.named_buffers())
         weights = SimpleNamespace(final_norm=buffers[hf_name("final_norm")],
                                   lm_head=buffers[hf_name("embed")])
-        streams = {f"layers.{i}.resid_out": resid[i] for i in range(self.config.n_layers)}
-        grid = lens_grid(SimpleNamespace(weights=weights, config=self.config), streams)
+        # the model's own head, on the two weights it reads
+        model = SimpleNamespace(weights=weights, config=self.config)
+        grid = grid_of(lambda x: Model.head(model, x), resid[:, 0], self.config.vocab_size)
         return grid.top_ids, grid.top_probs  # [L, T] each
 
 
@@ -829,11 +832,10 @@ def cache_key() -> str:
 
 def web_dir(rebuild: bool = False) -> Path:
     """The embedded model's export in the cache, made if it is not there or not `usable`."""
-    from .disk_cache import (atomic_path, build_lock, cache_dir, check_writable, collect_stale,
+    from .disk_cache import (atomic_path, build_lock, cache_subdir, check_writable, collect_stale,
                              usable, write_manifest)
 
-    root = cache_dir() / "web"
-    root.mkdir(parents=True, exist_ok=True)
+    root = cache_subdir("web")
     target = root / cache_key()
     collect_stale(root, target.name)
     if not rebuild and usable(target) is None:
@@ -869,25 +871,73 @@ def manifests(d: Path) -> list[str]:
     return [MANIFEST] + ([web["fp32"]] if "fp32" in web else [])
 
 
-def place(d: Path, out: Path) -> None:
-    """The page's files (not the cache's manifest) into `out`: hard links where the disk allows,
-    else copies. `out` is replaced if it holds an earlier export."""
+def check_out(out: Path, keep: Path) -> None:
+    """Before the export is looked up (or made): `out` can take the page's files. Placing them
+    replaces `out`, so it must lie apart from `keep` (the cache, which holds the export), and be
+    empty or an earlier export; the nearest directory above it that exists must be writable."""
+    o, k = out.resolve(), keep.resolve()
+    if o == k or k in o.parents or o in k.parents:
+        where = "holds" if o in k.parents else "is in"
+        raise LlmTraceError(f"--out {out} {where} the cache {keep}, which keeps the export: "
+                            f"choose a --out outside it")
     if out.exists() and not (out.is_dir() and (not any(out.iterdir())
                                                 or (out / MANIFEST).is_file())):
         raise LlmTraceError(f"{out} exists and holds no export (no {MANIFEST}): "
                             f"choose another --out")
+    above = _existing(o.parent)
+    if not above.is_dir():
+        raise LlmTraceError(f"{above} is a file, not a directory, so --out {out} cannot be "
+                            f"made: choose another --out")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise LlmTraceError(f"cannot write in {above}, so --out {out} cannot be made: "
+                            f"choose a --out in a directory you can write")
+
+
+def _existing(path: Path) -> Path:
+    """The path itself if it exists, else the nearest directory above it that does."""
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def place(d: Path, out: Path) -> None:
+    """The page's files (not the cache's manifest) into `out`: hard links where the disk allows,
+    else copies. They are gathered in a temporary beside `out`, renamed into place at the end, so
+    a failure leaves nothing half-written. `out` is replaced if it holds an earlier export."""
+    check_out(out, d)
     names = []
     for manifest in manifests(d):
         web = verify(d, manifest)
         files = listed_files(web)
         names += [f["file"] for f in files] + [manifest]
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    for name in dict.fromkeys(names):
-        try:
-            os.link(d / name, out / name)
-        except OSError:  # another disk, or links not allowed
-            shutil.copyfile(d / name, out / name)
+    final = out.resolve()
+    above = _existing(final.parent)  # the directories made below it go again if placing fails
+    tmp = None
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{os.getpid()}.", dir=final.parent))
+        tmp.chmod(0o755)  # mkdtemp's 0700: a static host must read it
+        for name in dict.fromkeys(names):
+            try:
+                os.link(d / name, tmp / name)
+            except OSError:  # another disk, or links not allowed
+                shutil.copyfile(d / name, tmp / name)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except OSError as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for made in [final.parent, *final.parent.parents]:
+            if made == above:
+                break
+            with contextlib.suppress(OSError):
+                made.rmdir()
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise LlmTraceError(f"the disk holding {out} is full: free some space, "
+                                f"or choose a --out on another disk") from None
+        raise LlmTraceError(f"cannot write {out} ({e.strerror or e}): "
+                            f"choose a --out in a directory you can write") from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -896,12 +946,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv=None) -> int:
+    from .disk_cache import cache_dir
+
     p = _Parser(prog="python -m llmtrace.export", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=None,
-                   help="also put the page's files into this directory (hard links if possible)")
+    p.add_argument("--out", default=None,
+                   help="also put the page's files into this directory (hard links if possible; "
+                        "outside the cache; an earlier export there is replaced)")
     p.add_argument("--rebuild", action="store_true", help="export again even if cached")
     try:
         args = p.parse_args(argv)
+        if args.out is not None:
+            if not args.out.strip():  # Path("") would be the current directory
+                raise LlmTraceError("--out is empty: name a directory, e.g. --out site/web")
+            args.out = Path(args.out)
+            check_out(args.out, cache_dir())  # before a minute's export, not after it
         d = web_dir(rebuild=args.rebuild)
         if args.out is not None:
             place(d, args.out)

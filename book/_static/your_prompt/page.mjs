@@ -8,6 +8,7 @@
 //   const r = await llmtrace.run("The capital of Germany is", {maxNewTokens: 5})
 //   r.top[0].piece, r.records.length, r.value("layers.3.attn.weights")
 //   await llmtrace.lens()                     // the last run's logit lens
+//   llmtrace.waiting                          // requests the worker has yet to answer
 //
 // Every fault ends as one line on the page (and a rejected Promise with that line as message).
 
@@ -86,9 +87,20 @@ function ask(kind, fields = {}) {
     if (!worker) start_worker();
     const id = ++next_id;
     return new Promise((resolve, reject) => {
-        waiting.set(id, { resolve, reject });
+        // posted first: the answer comes in a later task, and a post that throws (a field the
+        // browser cannot clone) leaves nothing waiting
         worker.postMessage({ id, kind, ...fields });
+        waiting.set(id, { resolve, reject });
     });
+}
+
+// Text from the API refused here, before it is posted: an object the browser cannot clone
+// would fail as its DOMException, one it can would reach the tokenizer.
+function check_text(x, what, call) {
+    if (typeof x === "string") return;
+    const got = x === null || x === undefined ? String(x) : Array.isArray(x) ? "an array"
+        : (/^[aeiou]/.test(typeof x) ? "an " : "a ") + typeof x;
+    throw new Error(`${what} must be a string, got ${got}: call ${call}`);
 }
 
 function load() {
@@ -142,6 +154,7 @@ async function exclusive(fn) {
 }
 
 async function run_now(prompt, opts) {
+    check_text(prompt, "the prompt", 'llmtrace.run("your text", {maxNewTokens: 5})');
     check_options(opts);
     if (!info) {
         llmtrace.ready = load();
@@ -465,11 +478,15 @@ function setup() {
 const llmtrace = window.llmtrace = {
     ready: null, run,
     lens,  // -> the last run's logit lens: {positions, ids, probs, pieces} [layer][position]
-    encode: text => ask("encode", { text }),  // -> the prompt's ids (no model needed)
+    encode: async text => {  // -> the prompt's ids (no model needed)
+        check_text(text, "the text to encode", 'llmtrace.encode("your text")');
+        return ask("encode", { text });
+    },
     warp: (logits, opts) => {  // logits [V] -> {probs [V], kept ids}, as a run samples them
         const p = warp(Float32Array.from(logits), check_options(opts));
         return { probs: p, kept: p.kept };
     },
     get info() { return info; },  // what the page loaded: model, weights, tolerance, limits
+    get waiting() { return waiting.size; },  // requests the worker has yet to answer
 };
 setup();
