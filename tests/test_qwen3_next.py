@@ -174,8 +174,8 @@ def test_the_layer_pattern_is_hfs_when_layer_types_is_left_out():
      r"rope_parameters.partial_rotary_factor=0.25 and partial_rotary_factor=0.5 disagree"),
     ({"layer_types": ["linear_attention", "sliding_attention"] * 2},
      "layer_types must list 'linear_attention' or 'full_attention'"),
-    ({"linear_num_value_heads": 3}, r"linear_attn=\(2, 3, 16, 16, 4\): value heads must be a "
-                                    "multiple"),
+    ({"linear_num_value_heads": 3}, "linear_num_value_heads=3 must be a multiple of "
+                                    "linear_num_key_heads=2"),
     ({"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim=0 must be at least 1"),
     ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.1}},
      "partial_rotary_factor=0.1 turns 1 of 16 dims"),

@@ -69,6 +69,7 @@ class Positions:
                                 f"of {config.max_positions}: shorten the prompt or "
                                 f"generate fewer tokens")
         positions = torch.arange(start, start + T, device=device)  # [T]
+        turned = config.rotary_dim  # Qwen3-Next: RoPE on part of each head; None: all
         if config.global_head_dim or config.rope_partial != 1.0:  # Gemma 4's full layers
             from .gemma4 import proportional_cos_sin
 
@@ -76,7 +77,6 @@ class Positions:
                                             config.head_dim, config.rope_theta,
                                             config.rope_partial)  # [T, hd_full] each
         else:
-            turned = config.rotary_dim  # Qwen3-Next: RoPE on part of each head; None: all
             cos, sin = rope_cos_sin(positions, turned or config.head_dim, config.rope_theta,
                                     config.rope_scaling)  # [T, hd] each ([T, turned])
         S, W = start + T, config.sliding_window
@@ -91,9 +91,9 @@ class Positions:
             local_cos, local_sin = rope_cos_sin(positions, config.head_dim, local)
         base = config.rope_theta if local != config.rope_theta else 0.0  # said if they differ
         shared = {}
-        return cls(start, cos, sin, causal, None, base,
+        return cls(start, cos, sin, causal, None, base,  # (Qwen3-Next with no linear layer)
                    cls(start, local_cos, local_sin, causal, window, base and local,
-                       shared=shared), shared=shared)
+                       shared=shared), shared=shared, rotary_dim=turned)
 
 
 def attend(q, k, v, mask=None, trace=NO_TRACE, name="attn", start=0,

@@ -17,13 +17,17 @@ from .errors import LlmTraceError
 # the integer fields and their least value (head_dim 0 means hidden_size // n_heads)
 INT_FIELDS = {"vocab_size": 1, "hidden_size": 1, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1,
               "ffn_size": 1, "max_positions": 1, "head_dim": 0, "bos_id": 0, "eos_id": 0,
-              "sliding_window": 0, "global_head_dim": 0, "global_kv_heads": 0,
+              "pad_id": 0, "sliding_window": 0, "global_head_dim": 0, "global_kv_heads": 0,
               "kv_shared_layers": 0, "ple_size": 0, "ple_vocab": 0, "n_experts": 0,
               "n_experts_active": 0, "moe_ffn_size": 0, "shared_ffn_size": 0,
               "kv_lora_rank": 0, "q_lora_rank": 0,
               "qk_nope_head_dim": 0, "v_head_dim": 0, "n_shared_experts": 0, "moe_groups": 1,
               "moe_groups_chosen": 1}
 OPTIONAL_IDS = ("bos_id", "eos_id")  # None: the model has none
+NULLABLE_FIELDS = (*OPTIONAL_IDS, "pad_id")
+# linear_attn's five numbers, as errors name them (`key` gives Qwen3-Next's config.json keys)
+LINEAR_PARTS = tuple(f"linear_attn.{part}" for part in (
+    "key_heads", "value_heads", "key_head_dim", "value_head_dim", "conv_kernel"))
 
 
 def config_problems(v: dict, key=str) -> list[str]:
@@ -33,7 +37,7 @@ def config_problems(v: dict, key=str) -> list[str]:
     problems = []
     for field, least in INT_FIELDS.items():
         value = v[field]
-        if value is None and field in OPTIONAL_IDS:
+        if value is None and field in NULLABLE_FIELDS:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             problems.append(f"{key(field)}={value!r} must be an integer")
@@ -52,11 +56,12 @@ def config_problems(v: dict, key=str) -> list[str]:
                 or not math.isfinite(value) or value < 0:
             problems.append(f"{key(field)}={value!r} must be a finite number >= 0")
     if v["mlp_act"] not in MLP_ACTS:
-        problems.append(f"mlp_act={v['mlp_act']!r} must be one of {', '.join(MLP_ACTS)}")
+        problems.append(f"{key('mlp_act')}={v['mlp_act']!r} must be one of "
+                        f"{', '.join(MLP_ACTS)}")
     for field in ("qk_proj_norm", "pre_norm", "k_eq_v", "double_wide_mlp", "v_norm",
                   "layer_scalar", "rope_interleave"):
         if v[field] is not True and v[field] is not False:
-            problems.append(f"{field}={v[field]!r} must be True or False")
+            problems.append(f"{key(field)}={v[field]!r} must be True or False")
     if v["qk_norm"] is True and v["qk_proj_norm"] is True:
         problems.append("qk_norm and qk_proj_norm both set: Q and K are normalized per head "
                         "(Qwen3, Gemma 3) or over the whole projection (OLMo 2), not both")
@@ -78,14 +83,20 @@ def config_problems(v: dict, key=str) -> list[str]:
             isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in linear)):
         problems.append(f"linear_attn={linear!r} must be 5 positive integers (key heads, "
                         f"value heads, key and value head sizes, conv kernel)")
-    elif linear and (linear[1] % linear[0] or linear[4] < 2):
-        problems.append(f"linear_attn={linear!r}: value heads must be a multiple of key heads "
-                        f"and the conv kernel 2 or more")
+    elif linear:
+        k_heads, v_heads, *_, conv = (f"{key(part)}={n}" for part, n in zip(LINEAR_PARTS, linear))
+        if linear[1] % linear[0]:
+            problems.append(f"{v_heads} must be a multiple of {k_heads}: each key head serves "
+                            f"a whole group of value heads")
+        if linear[4] < 2:
+            problems.append(f"{conv} must be at least 2: the causal conv mixes each position "
+                            f"with the ones before it")
     factor = v["partial_rotary_factor"]
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
         problems.append(f"{key('partial_rotary_factor')}={factor!r} must be a number in (0, 1]")
     if v["attn_output_gate"] is not True and v["attn_output_gate"] is not False:
-        problems.append(f"attn_output_gate={v['attn_output_gate']!r} must be True or False")
+        problems.append(f"{key('attn_output_gate')}={v['attn_output_gate']!r} must be True or "
+                        f"False")
     problems += gemma4_problems(v, key)
     problems += moe_problems(v, key)
     wrong = per_layer_problem(v, "no_rope_layers", (1, 0), key)  # 1: RoPE, 0: none (NoPE)
@@ -101,7 +112,7 @@ def config_problems(v: dict, key=str) -> list[str]:
         problems += mla_problems(v, key)
     for field in ("attn_sinks", "o_bias"):
         if v[field] is not True and v[field] is not False:
-            problems.append(f"{field}={v[field]!r} must be True or False")
+            problems.append(f"{key(field)}={v[field]!r} must be True or False")
     for field in ("swiglu_limit", "swiglu_alpha"):
         value = v[field]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -119,9 +130,10 @@ def gemma4_problems(v: dict, key=str) -> list[str]:
     if isinstance(shared, int) and isinstance(n, int) and shared and not shared < n:
         problems.append(f"{key('kv_shared_layers')}={shared} must be below "
                         f"{key('n_layers')}={n}: some layer must compute K and V")
-    if v["global_kv_heads"] and not v["k_eq_v"]:
-        problems.append(f"{key('global_kv_heads')}={v['global_kv_heads']} without "
-                        f"{key('k_eq_v')}: HF reads it only with attention_k_eq_v")
+    heads, kv = v["n_heads"], v["global_kv_heads"]
+    if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
+        problems.append(f"{key('n_heads')}={heads} is not a multiple of "
+                        f"{key('global_kv_heads')}={kv}: each KV head serves whole query heads")
     if v["ple_size"] and not v["ple_vocab"]:
         problems.append(f"{key('ple_size')}={v['ple_size']} needs {key('ple_vocab')}: "
                         f"the rows of the per-layer table")
@@ -166,7 +178,8 @@ def moe_problems(v: dict, key=str) -> list[str]:
     from .moe import ROUTERS
 
     if v["moe_router"] not in ROUTERS:
-        problems.append(f"moe_router={v['moe_router']!r} must be one of {', '.join(ROUTERS)}")
+        problems.append(f"{key('moe_router')}={v['moe_router']!r} must be one of "
+                        f"{', '.join(ROUTERS)}")
     if v["moe_renormalize"] is not True and v["moe_renormalize"] is not False:
         problems.append(f"{key('moe_renormalize')}={v['moe_renormalize']!r} must be True or "
                         f"False")
@@ -176,8 +189,8 @@ def moe_problems(v: dict, key=str) -> list[str]:
         problems.append(wrong)
     elif "moe" in kinds and not E:
         problems.append(f"{key('mlp_types')} has MoE layers but {key('n_experts')}=0")
-    G, chosen = v["moe_groups"], v["moe_groups_chosen"]
-    if E and (E % G or not 1 <= chosen <= G or chosen * (E // G) < k):
+    G, chosen = v["moe_groups"], v["moe_groups_chosen"]  # (1, 1): no groups, k of E is said
+    if E and (G, chosen) != (1, 1) and (E % G or not 1 <= chosen <= G or chosen * (E // G) < k):
         problems.append(f"{key('moe_groups')}={G} groups, {key('moe_groups_chosen')}={chosen} "
                         f"chosen: the groups must split the {E} experts evenly and the chosen "
                         f"ones hold the {k} experts each position goes to")
@@ -210,14 +223,16 @@ def shape_problems(v: dict, key=str) -> list[str]:
     """What `config_problems` finds once every count is a positive integer."""
     problems = []
     head_dim = v["head_dim"] if v["head_dim"] != 0 else v["hidden_size"] // v["n_heads"]
+    # a head_dim left at 0 is derived: the error names the keys it came from
+    width = f"{key('head_dim')}={head_dim}" if v["head_dim"] else \
+        f"{key('hidden_size')}={v['hidden_size']} / {key('n_heads')}={v['n_heads']}"
     if v["n_heads"] % v["n_kv_heads"]:
         problems.append(f"{key('n_heads')}={v['n_heads']} is not a multiple of "
                         f"{key('n_kv_heads')}={v['n_kv_heads']}")
     if head_dim < 2:
-        problems.append(f"head_dim={head_dim}: {key('hidden_size')}={v['hidden_size']} is "
-                        f"smaller than 2 x {key('n_heads')}={v['n_heads']}")
+        problems.append(f"{width} gives heads of {head_dim} dims: RoPE needs at least 2")
     elif head_dim % 2:
-        problems.append(f"{key('head_dim')}={head_dim} is odd, RoPE rotates pairs")
+        problems.append(f"{width} gives heads of {head_dim} dims, odd: RoPE rotates pairs")
     elif int(head_dim * v["partial_rotary_factor"]) % 2:
         problems.append(f"{key('partial_rotary_factor')}={v['partial_rotary_factor']} turns "
                         f"{int(head_dim * v['partial_rotary_factor'])} of {head_dim} dims: "
@@ -255,6 +270,10 @@ class Config:
     eos_id: int | None = 2  # None: no end id; generate stops only at max_new_tokens
     head_dim: int = 0  # 0 means hidden_size // n_heads
     stop_ids: tuple = ()  # more ids that end a generation, after eos_id (Gemma 3: end of turn)
+    # config.json's pad_token_id, which nothing here computes with: kept so that `to_hf` writes
+    # it back (HF's embedding checks it against the vocabulary, and a key left out would take
+    # the class's default, SmolLM3's 128004); None: null
+    pad_id: int | None = None
     # What today's families change (each default is Llama 2's, so a Llama config is untouched):
     family: str = "llama"  # the HF model_type: llama, mistral, qwen2, qwen3, gemma3_text
     qkv_bias: bool = False  # Qwen2: a bias vector added to Q, K and V
@@ -279,7 +298,7 @@ class Config:
     linear_attn: tuple = ()  # DeltaNet layers' (key heads, value heads, dk, dv, conv kernel)
     # Gemma 4's differences from Gemma 3 (gemma4.py); each default leaves a model as it was
     global_head_dim: int = 0  # the full layers' head width; 0 means head_dim
-    global_kv_heads: int = 0  # the full layers' KV heads (with k_eq_v); 0 means n_kv_heads
+    global_kv_heads: int = 0  # the full layers' KV heads; 0 means n_kv_heads
     k_eq_v: bool = False  # full layers: V is K's projection (no W_v)
     kv_shared_layers: int = 0  # the last N layers read the K, V of an earlier layer
     double_wide_mlp: bool = False  # those shared layers' MLP twice ffn_size wide
@@ -583,8 +602,9 @@ PRESETS: dict[str, dict] = {
     # 4096, 32 experts of width 2880 in every layer, 4 chosen, clamped at 7; no BOS, <|return|>
     "gpt-oss-20b": dict(vocab_size=201088, hidden_size=2880, n_layers=24, n_heads=64,
                         n_kv_heads=8, head_dim=64, ffn_size=2880, max_positions=131072,
-                        rope_theta=150_000.0, bos_id=None, eos_id=200002, family="gpt_oss",
-                        qkv_bias=True, o_bias=True, attn_sinks=True, sliding_window=128,
+                        rope_theta=150_000.0, bos_id=None, eos_id=200002, pad_id=199999,
+                        family="gpt_oss", qkv_bias=True, o_bias=True, attn_sinks=True,
+                        sliding_window=128,
                         layer_types=("sliding", "full") * 12,
                         rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0,
                                           beta_slow=1.0, truncate=False,

@@ -115,10 +115,11 @@ def layer_shapes(c: dict) -> list[LayerShape]:
     full = {"head_dim": c.get("global_head_dim", 512)}
     if k_eq_v and c.get("num_global_key_value_heads") is not None:
         full["num_key_value_heads"] = c["num_global_key_value_heads"]
-    per_layer = {int(i): v for i, v in (c.get("per_layer_config") or {}).items()}
+    per_layer = c.get("per_layer_config")  # {}: no layer differs from the global values
+    per_layer = None if per_layer is None else {int(i): v for i, v in per_layer.items()}
     shapes = []
     for i in range(n):
-        over = per_layer.get(i, full if kinds[i] == "full" and not per_layer else {})
+        over = full if per_layer is None and kinds[i] == "full" else (per_layer or {}).get(i, {})
         wide = c.get("use_double_wide_mlp", False) and sources[i] != i
         shapes.append(LayerShape(
             kinds[i], over.get("head_dim", c["head_dim"]),

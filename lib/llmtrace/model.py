@@ -97,7 +97,8 @@ def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
               for i in range(c.n_layers)]
     for i, lw in enumerate(layers):
         if c.is_moe(i):  # the experts' matrices stacked, expert e's at [e]
-            lw.moe = hf_moe_weights(sd.__getitem__, f"model.layers.{i}", c.family, c.n_experts)
+            lw.moe = hf_moe_weights(sd.__getitem__, f"model.layers.{i}", c.family, c.n_experts,
+                                    shared=bool(c.n_shared_experts))
         if c.is_moe(i) and c.shared_ffn_size:  # Qwen3-Next: a gated shared expert
             names = moe_hf_names(c, i)
             lw.moe.shared = MlpWeights(*(sd[names[f"moe.shared.{f}"]] for f in DENSE_MLP))

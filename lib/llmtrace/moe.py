@@ -237,11 +237,13 @@ def moe_params(w: MoeWeights, k: int) -> tuple[int, int]:
     return router + experts + shared, router + experts // E * k + shared
 
 
-def hf_moe_weights(get, prefix: str, model_type: str, n_experts: int) -> MoeWeights:
+def hf_moe_weights(get, prefix: str, model_type: str, n_experts: int,
+                   shared: bool = True) -> MoeWeights:
     """One layer's MoeWeights from the names in HF safetensors files, as
     `save_pretrained` writes them: get(name) -> tensor, prefix "model.layers.3".
     Mixtral and Qwen3-MoE store each expert's matrices apart; gpt-oss stores them fused,
-    gate and up interleaved on the last axis, transposed (x @ W) from F.linear's."""
+    gate and up interleaved on the last axis, transposed (x @ W) from F.linear's. shared:
+    DeepSeek's layer has shared experts (n_shared_experts 0: none)."""
     if model_type == "gpt_oss":
         p = f"{prefix}.mlp"
         gate_up = get(f"{p}.experts.gate_up_proj")  # [E, D, 2F]: g0 u0 g1 u1 ...
@@ -256,7 +258,7 @@ def hf_moe_weights(get, prefix: str, model_type: str, n_experts: int) -> MoeWeig
             up_bias=gate_up_bias[:, 1::2].contiguous(),  # [E, F]
             down_bias=get(f"{p}.experts.down_proj_bias"))  # [E, D]
     if model_type in DEEPSEEK:
-        return hf_deepseek_moe_weights(get, prefix, model_type, n_experts)
+        return hf_deepseek_moe_weights(get, prefix, model_type, n_experts, shared)
     names = HF_EXPERT_NAMES.get(model_type)
     if names is None:
         known = ", ".join([*HF_EXPERT_NAMES, "gpt_oss", *DEEPSEEK])
@@ -288,18 +290,17 @@ def hf_gpt_oss_tensors(w: MoeWeights, prefix: str) -> dict[str, torch.Tensor]:
             f"{p}.experts.down_proj_bias": w.down_bias}  # [E, D]
 
 
-def hf_deepseek_moe_weights(get, prefix: str, model_type: str,
-                            n_experts: int) -> MoeWeights:
+def hf_deepseek_moe_weights(get, prefix: str, model_type: str, n_experts: int,
+                            shared: bool = True) -> MoeWeights:
     """DeepSeek-V2/V3's MoE layer from the names on disk: the experts as Qwen3-MoE's,
     the shared experts as a dense MLP; V3's router holds its bias
     (`e_score_correction_bias`)."""
     p = f"{prefix}.mlp"
     w = hf_moe_weights(get, prefix, "qwen3_moe", n_experts)  # the same expert names
 
-    def shared(kind):
-        return get(f"{p}.shared_experts.{kind}_proj.weight")
-
-    w.shared = MlpWeights(gate=shared("gate"), up=shared("up"), down=shared("down"))
+    if shared:
+        w.shared = MlpWeights(*(get(f"{p}.shared_experts.{kind}_proj.weight")
+                                for kind in ("gate", "up", "down")))
     if model_type == "deepseek_v3":
         w.score_bias = get(f"{p}.gate.e_score_correction_bias")  # [E]
     return w

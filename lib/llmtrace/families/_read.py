@@ -11,15 +11,16 @@ from ..errors import LlmTraceError
 from ..rope import yarn_checked
 
 KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false"}
-# The keys whose null HF reads as "none" (no BOS, no end id, no window) or as "derive it"
-# (num_key_value_heads, head_dim); a null elsewhere is refused
-NULLABLE = ("num_key_value_heads", "head_dim", "bos_token_id", "eos_token_id", "sliding_window")
+# The keys whose null HF reads as "none" (no BOS, no end id, no pad, no window, no soft cap) or
+# as "derive it" (num_key_value_heads, head_dim); a null elsewhere is refused
+NULLABLE = ("num_key_value_heads", "head_dim", "bos_token_id", "eos_token_id", "pad_token_id",
+            "sliding_window", "final_logit_softcapping")
 # The config.json key each field of Config is read from: errors name what the user wrote
 HF_KEYS = {"n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
            "n_kv_heads": "num_key_value_heads", "ffn_size": "intermediate_size",
            "max_positions": "max_position_embeddings", "norm_eps": "rms_norm_eps",
            "tied_lm_head": "tie_word_embeddings", "bos_id": "bos_token_id",
-           "eos_id": "eos_token_id", "stop_ids": "eos_token_id",
+           "eos_id": "eos_token_id", "stop_ids": "eos_token_id", "pad_id": "pad_token_id",
            "rope_local_theta": "rope_local_base_freq", "attn_scale": "query_pre_attn_scalar"}
 REQUIRED = object()  # HFKeys.get's default: the key must be there
 
@@ -123,7 +124,7 @@ def common_fields(k: HFKeys) -> dict:
         norm_eps=float(k.default("rms_norm_eps", float)),
         tied_lm_head=k.default("tie_word_embeddings", bool),
         bos_id=k.default("bos_token_id", int),
-        eos_id=eos_id, stop_ids=stop_ids,
+        eos_id=eos_id, stop_ids=stop_ids, pad_id=k.default("pad_token_id", int),
         head_dim=0 if head_dim is None else head_dim,  # 0: hidden_size // n_heads
         family=k.family,
         rope_scaling=rope_scaling_of(k.c, k.where),
@@ -159,6 +160,7 @@ def llama_hf(c: Config) -> dict:
         "tie_word_embeddings": c.tied_lm_head,
         "bos_token_id": c.bos_id,
         "eos_token_id": [c.eos_id, *c.stop_ids] if c.stop_ids else c.eos_id,
+        "pad_token_id": c.pad_id,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,

@@ -10,8 +10,8 @@ from ._read import HFKeys, plain_rope
 # DeepseekV3Config's defaults (transformers 5.24) of the keys a config.json may leave out
 DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "head_dim": None,
             "rope_theta": 10_000.0, "num_key_value_heads": 128, "max_position_embeddings": 4096,
-            "bos_token_id": 0, "eos_token_id": 1, "kv_lora_rank": 512, "q_lora_rank": 1536,
-            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+            "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None, "kv_lora_rank": 512,
+            "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
             "rope_interleave": True, "first_k_dense_replace": 3, "n_routed_experts": 256,
             "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "n_shared_experts": 1,
             "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True}
@@ -77,11 +77,17 @@ def moe_fields(k: HFKeys, router: str, renormalize: bool) -> dict:
                 mlp_types=("dense",) * dense + ("moe",) * (n - dense))
 
 
+def switch(k: HFKeys, key: str) -> bool:
+    """A switch DeepseekV3Config types `bool | None`: its class tests it for truth (`if
+    config.rope_interleave:`), so a null computes as false."""
+    return False if key in k.c and k.c[key] is None else k.default(key, bool)
+
+
 def read(k: HFKeys) -> dict:
     refuse_settings(k.c, k.where, {"topk_method": (None, "noaux_tc"),
                                    "scoring_func": (None, "sigmoid"), "moe_layer_freq": (1,)})
-    return dict(**plain_rope(k), **mla_fields(k, k.default("rope_interleave", bool)),
-                **moe_fields(k, "sigmoid_group", k.default("norm_topk_prob", bool)))
+    return dict(**plain_rope(k), **mla_fields(k, switch(k, "rope_interleave")),
+                **moe_fields(k, "sigmoid_group", switch(k, "norm_topk_prob")))
 
 
 def rope_parameters(c) -> dict:

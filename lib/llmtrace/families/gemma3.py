@@ -87,7 +87,7 @@ FAMILY = Family("gemma3_text", "Gemma 3", "Gemma3ForCausalLM", "Gemma3TextConfig
                 {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "head_dim": 256,
                  "rope_theta": 1_000_000.0, "num_key_value_heads": 4,
                  "max_position_embeddings": 131072, "bos_token_id": 2, "eos_token_id": 1,
-                 "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256,
+                 "pad_token_id": 0, "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256,
                  "sliding_window": 4096},
                 switches={"qk_norm": True, **GEMMA3_FIXED},
                 varies=("sliding_window", "attn_scale", "layer_types", "rope_local_theta"),

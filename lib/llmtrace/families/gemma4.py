@@ -24,21 +24,27 @@ DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_0
 
 def full_layer_shape(k: HFKeys, kinds: list[str]) -> tuple[int, int]:
     """(global_head_dim, global_kv_heads) of the full layers: from `per_layer_config` (as
-    save_pretrained writes it), else `global_head_dim`, `num_global_key_value_heads`."""
+    save_pretrained writes it: a full layer's values that differ from the global ones, {} when
+    none does), else `global_head_dim`, `num_global_key_value_heads`."""
     c, where = k.c, k.where
     k_eq_v = k.default("attention_k_eq_v", bool)
     per = c.get("per_layer_config")
     if per is None:
         kv = k.get("num_global_key_value_heads", int, None, least=1) if k_eq_v else None
         return k.get("global_head_dim", int, 512, least=2), kv or 0
-    full = {i for i, t in enumerate(layer_kinds(kinds)) if t == "full"}
-    # keyed by layer: 2, "2" or, as HF's to_dict writes them, "02"
-    if not isinstance(per, dict) or {int(i) for i in per if str(i).isdigit()} != full \
-            or len(per) != len(full):
-        raise LlmTraceError(f"{where}: per_layer_config must give each full layer "
-                            f"({', '.join(map(str, sorted(full)))}) its shape, got {per!r:.60}")
-    shapes = {(v.get("head_dim", c.get("head_dim", 256)), v.get("num_key_value_heads", 0))
-              for v in per.values()}
+    full = [i for i, t in enumerate(layer_kinds(kinds)) if t == "full"]
+    # keyed by layer: 2, "2" or, as HF's to_dict writes them, "02"; a layer left out keeps the
+    # global head_dim and num_key_value_heads (HF drops an override equal to them)
+    if not isinstance(per, dict) or not all(str(i).isdigit() and int(i) in full
+                                            and isinstance(v, dict) for i, v in per.items()):
+        raise LlmTraceError(f"{where}: per_layer_config must map full layers "
+                            f"({', '.join(map(str, full))}) to their shape, got {per!r:.60}")
+    per = {int(i): v for i, v in per.items()}
+    k.keys.update(global_head_dim="per_layer_config.head_dim",  # what errors name
+                  global_kv_heads="per_layer_config.num_key_value_heads")
+    head_dim = k.default("head_dim", int, least=2)
+    shapes = {(per.get(i, {}).get("head_dim", head_dim),
+               per.get(i, {}).get("num_key_value_heads", 0)) for i in full}
     if len(shapes) > 1 or set().union(*map(set, per.values())) - {"head_dim",
                                                                   "num_key_value_heads"}:
         raise LlmTraceError(f"{where}: per_layer_config gives the full layers different "
@@ -95,18 +101,22 @@ def gemma4_to_hf(c, hf: dict) -> dict:
     for key in ("hidden_act", "mlp_bias", "rope_theta"):
         hf.pop(key)
     kinds = {v: k for k, v in HF_LAYER_KINDS.items()}
+    layers = c.layer_types or ("full",) * c.n_layers
     full = {"rope_type": "proportional", "rope_theta": c.rope_theta,
             "partial_rotary_factor": c.rope_partial}
+    # the full layers' shape as save_pretrained writes it: HF reads its KV heads there with or
+    # without attention_k_eq_v (num_global_key_value_heads only with it)
+    shape = {"head_dim": c.global_head_dim or c.head_dim,
+             **({"num_key_value_heads": c.global_kv_heads} if c.global_kv_heads else {})}
     return {**hf, "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
             "hidden_activation": "gelu_pytorch_tanh",
-            "layer_types": [kinds[t] for t in c.layer_types or ("full",) * c.n_layers],
+            "layer_types": [kinds[t] for t in layers],
             "rope_parameters": {
                 "full_attention": full,
                 "sliding_attention": {"rope_type": "default",
                                       "rope_theta": c.rope_local_theta or c.rope_theta}},
             "sliding_window": c.sliding_window or 512,
-            "global_head_dim": c.global_head_dim or c.head_dim,
-            **({"num_global_key_value_heads": c.global_kv_heads} if c.global_kv_heads else {}),
+            "per_layer_config": {str(i): shape for i, t in enumerate(layers) if t == "full"},
             "attention_k_eq_v": c.k_eq_v, "num_kv_shared_layers": c.kv_shared_layers,
             "use_double_wide_mlp": c.double_wide_mlp,
             "hidden_size_per_layer_input": c.ple_size,
@@ -118,7 +128,7 @@ def gemma4_to_hf(c, hf: dict) -> dict:
 FAMILY = Family("gemma4_text", "Gemma 4", "Gemma4ForCausalLM", "Gemma4TextConfig",
                 {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "head_dim": 256,
                  "num_key_value_heads": 4, "max_position_embeddings": 131072,
-                 "bos_token_id": 2, "eos_token_id": 1, "sliding_window": 512,
+                 "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "sliding_window": 512,
                  "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144,
                  "attention_k_eq_v": False, "num_kv_shared_layers": 0,
                  "use_double_wide_mlp": False},
@@ -127,4 +137,13 @@ FAMILY = Family("gemma4_text", "Gemma 4", "Gemma4ForCausalLM", "Gemma4TextConfig
                         "global_head_dim", "global_kv_heads", "k_eq_v", "kv_shared_layers",
                         "double_wide_mlp", "ple_size", "ple_vocab", "final_softcap"),
                 read=gemma4_switches, write=gemma4_to_hf, refuse=refuse_unsupported,
-                biased=("attention_bias",), not_null=("num_key_value_heads", "head_dim"))
+                biased=("attention_bias",), not_null=("num_key_value_heads", "head_dim"),
+                keys={"global_kv_heads": "num_global_key_value_heads",
+                      "k_eq_v": "attention_k_eq_v", "kv_shared_layers": "num_kv_shared_layers",
+                      "double_wide_mlp": "use_double_wide_mlp",
+                      "ple_size": "hidden_size_per_layer_input",
+                      "ple_vocab": "vocab_size_per_layer_input",
+                      "final_softcap": "final_logit_softcapping",
+                      "rope_theta": "rope_parameters.full_attention.rope_theta",
+                      "rope_partial": "rope_parameters.full_attention.partial_rotary_factor",
+                      "rope_local_theta": "rope_parameters.sliding_attention.rope_theta"})

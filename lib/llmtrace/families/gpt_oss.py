@@ -11,8 +11,9 @@ from .gemma3 import HF_LAYER_KINDS
 # GptOssConfig's defaults (transformers 5.24, models/gpt_oss/configuration_gpt_oss.py)
 DEFAULTS = {"rms_norm_eps": 1e-5, "tie_word_embeddings": False, "head_dim": 64,
             "rope_theta": 150_000.0, "num_key_value_heads": 8, "max_position_embeddings": 131072,
-            "bos_token_id": None, "eos_token_id": None, "sliding_window": 128,
-            "attention_bias": True, "num_local_experts": 128, "num_experts_per_tok": 4,
+            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+            "sliding_window": 128, "attention_bias": True, "num_local_experts": 128,
+            "num_experts_per_tok": 4,
             "swiglu_limit": 7.0, "swiglu_alpha": 1.702}
 # what GptOssConfig computes when a config.json names no RoPE at all (its __post_init__)
 DEFAULT_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,

@@ -8,7 +8,7 @@ from . import Family
 # without them is refused.
 DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "head_dim": None,
             "rope_theta": 10_000.0, "num_key_value_heads": None, "max_position_embeddings": 2048,
-            "bos_token_id": 1, "eos_token_id": 2}
+            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
 
 FAMILY = Family("llama", "Llama 2 and 3", "LlamaForCausalLM", "LlamaConfig", DEFAULTS,
                 # attention_bias adds one to the output projection too, mlp_bias to the MLP's

@@ -38,4 +38,4 @@ FAMILY = Family("qwen3_5_text", "Qwen3.5 (text)", "Qwen3_5ForCausalLM", "Qwen3_5
                 switches={k: v for k, v in NEXT.switches.items() if k != "moe_router"},
                 varies=("layer_types", "linear_attn", "partial_rotary_factor"),
                 read=read, write=write,
-                refuse=refuse, biased=NEXT.biased, not_null=NEXT.not_null)
+                refuse=refuse, biased=NEXT.biased, not_null=NEXT.not_null, keys=NEXT.keys)

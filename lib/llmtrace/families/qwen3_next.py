@@ -2,6 +2,7 @@
 full-attention layer, whose queries bring a gate per head and whose RoPE turns a quarter of each
 head; QK-norm; every RMSNorm but DeltaNet's gated one multiplies by (1 + weight)."""
 
+from ..config import LINEAR_PARTS
 from ..errors import LlmTraceError
 from . import Family
 from ._read import HFKeys, plain_rope
@@ -14,8 +15,9 @@ LINEAR_KEYS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32,
                "linear_conv_kernel_dim": 4}
 DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "head_dim": 256,
             "rope_theta": 10_000.0, "num_key_value_heads": 2, "max_position_embeddings": 32768,
-            "bos_token_id": None, "eos_token_id": None, "partial_rotary_factor": 0.25,
-            "full_attention_interval": 4, **LINEAR_KEYS, "num_experts": 512,
+            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+            "partial_rotary_factor": 0.25, "full_attention_interval": 4, **LINEAR_KEYS,
+            "num_experts": 512,
             "num_experts_per_tok": 10, "moe_intermediate_size": 512,
             "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
             "decoder_sparse_step": 1, "mlp_only_layers": None}
@@ -59,7 +61,8 @@ def experts(k: HFKeys) -> dict:
     moe = dict(n_experts=E, n_experts_active=k.default("num_experts_per_tok", int, least=1),
                moe_ffn_size=k.default("moe_intermediate_size", int, least=1),
                moe_renormalize=k.default("norm_topk_prob", bool),
-               shared_ffn_size=k.default("shared_expert_intermediate_size", int, least=1)
+               # 0: HF's class builds an empty shared expert, whose gate scales zeros
+               shared_ffn_size=k.default("shared_expert_intermediate_size", int, least=0)
                ) if E else {}
     return dict(**moe, mlp_types=mlp_types_of(k, E))  # Qwen3-MoE's rule: HF's is the same
 
@@ -99,7 +102,7 @@ def experts_hf(c) -> dict:
     only = [i for i, t in enumerate(c.mlp_types) if t == "dense"]  # any pattern
     return {"num_experts": c.n_experts, "num_experts_per_tok": c.n_experts_active,
             "moe_intermediate_size": c.moe_ffn_size, "norm_topk_prob": c.moe_renormalize,
-            "shared_expert_intermediate_size": c.shared_ffn_size or 1,
+            "shared_expert_intermediate_size": c.shared_ffn_size,
             "decoder_sparse_step": 1, "mlp_only_layers": only}
 
 
@@ -112,6 +115,7 @@ FAMILY = Family("qwen3_next", "Qwen3-Next", "Qwen3NextForCausalLM", "Qwen3NextCo
                 keys={"n_experts": "num_experts", "n_experts_active": "num_experts_per_tok",
                       "moe_ffn_size": "moe_intermediate_size",
                       "moe_renormalize": "norm_topk_prob", "mlp_types": "mlp_only_layers",
-                      "shared_ffn_size": "shared_expert_intermediate_size"},
+                      "shared_ffn_size": "shared_expert_intermediate_size",
+                      **dict(zip(LINEAR_PARTS, LINEAR_KEYS))},
                 read=read, write=write, refuse=refuse, biased=("attention_bias",),
                 not_null=("head_dim", "num_key_value_heads"))

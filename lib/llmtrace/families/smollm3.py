@@ -59,7 +59,8 @@ def write(c, hf: dict) -> dict:
 FAMILY = Family("smollm3", "SmolLM3", "SmolLM3ForCausalLM", "SmolLM3Config",
                 {**LLAMA, "tie_word_embeddings": True, "rope_theta": 2_000_000.0,
                  "num_key_value_heads": 4, "max_position_embeddings": 32768,
-                 "bos_token_id": 128000, "eos_token_id": 128001, "sliding_window": None,
-                 "use_sliding_window": False, "no_rope_layer_interval": 4},
+                 "bos_token_id": 128000, "eos_token_id": 128001, "pad_token_id": 128004,
+                 "sliding_window": None, "use_sliding_window": False,
+                 "no_rope_layer_interval": 4},
                 varies=("no_rope_layers", "sliding_window", "layer_types"),
                 read=read, write=write, biased=("attention_bias", "mlp_bias"))

@@ -103,6 +103,14 @@ def is_mtp(name: str, n_layers: int) -> bool:
     return name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= n_layers
 
 
+def is_empty_shared_expert(name: str, config: Config) -> bool:
+    """Is this tensor part of a shared expert of width 0 (DeepSeek's n_shared_experts 0,
+    Qwen3-Next's shared_expert_intermediate_size 0)? HF's class still holds its empty matrices,
+    and Qwen3-Next the gate that scales its zeros: what they add is 0."""
+    return ".mlp.shared_expert" in name and bool(config.n_experts) and not (
+        config.n_shared_experts or config.shared_ffn_size)
+
+
 def load_hf(directory: str | Path, name: str | None = None):
     """(config, state dict, tokenizer) from a Hugging Face model directory."""
     from safetensors import SafetensorError
@@ -126,6 +134,7 @@ def load_hf(directory: str | Path, name: str | None = None):
         sd.pop("lm_head.weight", None)
     if config.kv_lora_rank:  # DeepSeek-V3's multi-token-prediction layer, past the last one
         sd = {k: v for k, v in sd.items() if not is_mtp(k, config.n_layers)}  # HF skips it too
+    sd = {k: v for k, v in sd.items() if not is_empty_shared_expert(k, config)}
     unexpected = sorted(set(sd) - set(expected_shapes(config)) - {"model.rotary_emb.inv_freq"})
     if unexpected:
         raise LlmTraceError(f"{d}: unexpected tensor {unexpected[0]} for a Llama model")
