@@ -20,7 +20,7 @@ from llmtrace.norm import rms_norm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
 import book  # noqa: E402
 
-LISTED = [attention, attend, block, Model.forward, embed, rms_norm, swiglu]
+LISTED = [attention, attend, block, Model.forward, Model.head, embed, rms_norm, swiglu]
 # what names another family's code: the families, the switches and their local names
 OTHERS = re.compile(r"Qwen|Gemma|Mistral|GeGLU|pos\.(local|base|window)|(?<![.\w])(offset|act|off)\b|"
                     + "|".join(book.SWITCHES))
@@ -125,11 +125,13 @@ def test_a_gemma_listing_keeps_its_switches(fn, gemma):
         assert gone == 3 and "OLMo" not in code and "pre_norm" not in code and " off)" in code
         assert "ple_size" not in code and "layer_scalar" not in code
         return
-    if fn.__qualname__ == "Model.forward":  # Gemma 4's per-layer inputs and soft cap go (6
-        # lines), and SmolLM3's two (layers without RoPE)
-        assert gone == 8 and "ple_size" not in code and "final_softcap" not in code
-        assert "no_rope_layers" not in code
+    if fn.__qualname__ == "Model.forward":  # Gemma 4's per-layer inputs go (4 lines), and
+        # SmolLM3's two (layers without RoPE)
+        assert gone == 6 and "ple_size" not in code and "no_rope_layers" not in code
         assert "pos.local" in code  # Gemma 3's own line stays
+        return
+    if fn.__qualname__ == "Model.head":  # Gemma 4's soft cap goes; Gemma 3's norm offset stays
+        assert gone == 2 and "final_softcap" not in code and "c.norm_offset" in code
         return
     if fn is not attention:
         assert gone == 0 and code == src
