@@ -47,6 +47,7 @@ def logit_lens(model, trace, position: int = -1) -> torch.Tensor:
     """Probabilities [n_layers, V] at `position`, from the stream leaving each layer
     (`layers.N.resid_out`) in a trace with values."""
     check_position(position, trace.shape("tokens")[1])
+    # stream_out: the layer's last record, layers.{i}.resid_out in a Llama
     resid = torch.stack([trace[stream_out(trace, i)][0, position]
                          for i in range(model.config.n_layers)])  # [L, D]
     return model.head(resid).softmax(-1)  # [L, V]

@@ -299,17 +299,17 @@ class Model:
         return self.head(x, trace)  # [B, T, V]
 
     def head(self, x: torch.Tensor, trace=NO_TRACE) -> torch.Tensor:
-        """The residual stream [..., D] to logits [..., V]: the final norm, then the LM head
-        (and what follows it in the model). The logit lens reads any layer's stream through it."""
+        """The residual stream [..., D] to logits [..., V]: the final norm, then the LM head.
+        Any leading shape: the logit lens reads each layer's stream through it."""
         c, w = self.config, self.weights
         x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm",
-                     c.norm_offset)  # [B, T, D]
-        logits = F.linear(x, w.lm_head)  # [B, T, V]
+                     c.norm_offset)  # [..., D]
+        logits = F.linear(x, w.lm_head)  # [..., V]
         head = "tied: embed_tokens" if c.tied_lm_head else "lm_head"
         macs = math.prod(x.shape[:-1]) * c.hidden_size * c.vocab_size
         logits = trace.record("lm_head", f"x @ W^T ({head})", logits, macs)
         if c.final_softcap:  # Gemma 4: logits squashed below the cap
-            logits = softcap(logits, c.final_softcap, trace)  # [B, T, V]
+            logits = softcap(logits, c.final_softcap, trace)  # [..., V]
         return logits
 
     def encode(self, prompt: str, bos: bool | None = None) -> torch.Tensor:
