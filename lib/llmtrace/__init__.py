@@ -10,6 +10,7 @@ from .errors import LlmTraceError
 from .generate import Tracing, generate
 from .lens import logit_lens
 from .model import meta_model, trace_shapes
+from . import families  # noqa: E402, F401  (each family's Model subclass registers itself)
 from .load import load_model
 from .sampling import sample
 from .trace import Patched, Trace

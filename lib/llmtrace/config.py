@@ -175,7 +175,7 @@ def moe_problems(v: dict, key=str) -> list[str]:
                         f"{key('n_experts')}=0: a shared expert sits beside routed ones")
     if E and Fm < 1:
         problems.append(f"{key('moe_ffn_size')}={Fm} must be at least 1: an expert's width")
-    from .moe import ROUTERS
+    from .mechanisms.moe import ROUTERS
 
     if v["moe_router"] not in ROUTERS:
         problems.append(f"{key('moe_router')}={v['moe_router']!r} must be one of "
@@ -198,7 +198,7 @@ def moe_problems(v: dict, key=str) -> list[str]:
 
 
 def yarn_problems(scaling: dict, key=str) -> list[str]:
-    from .rope import yarn_checked  # rope.py needs no config: no cycle
+    from .mechanisms.yarn import yarn_checked
 
     try:
         yarn_checked(scaling)
@@ -396,7 +396,7 @@ class Config:
     @property
     def deltanet_dims(self):
         """The DeltaNet layers' sizes (`deltanet.DeltaNetDims`), or None if there are none."""
-        from .deltanet import DeltaNetDims
+        from .mechanisms.deltanet import DeltaNetDims
 
         return DeltaNetDims(*self.linear_attn, self.norm_eps) if self.linear_attn else None
 

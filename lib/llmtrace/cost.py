@@ -13,8 +13,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .config import Config
-from .deltanet import state_bytes
-from .gemma4 import cache_shape
+from .mechanisms.deltanet import state_bytes
+from .mechanisms.gemma4 import cache_shape
 from .weights.names import LAYER_TENSORS, MODEL_TENSORS, layers_holding, tensor_shapes
 
 

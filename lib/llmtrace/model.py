@@ -1,4 +1,4 @@
-"""The block and the stack: embed -> L x (attention, MLP, with residuals) -> final norm -> LM head.
+"""The stack: embed -> L x `Block` (attention, MLP, with residuals) -> final norm -> LM head.
 
 Weights arrive as a state dict in Hugging Face's naming (`model.layers.3.self_attn.q_proj.weight`),
 checked against the config; the model never knows which file they came from. The same forward pass
@@ -8,26 +8,24 @@ runs on real fp32 weights (values) and on PyTorch's `meta` device (shapes only, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from operator import attrgetter
 
 import torch
 import torch.nn.functional as F
 
-from .attention import Positions, attention
+from .attention import Attention, Positions
+from .block import Block
 from .check import check_ids
 from .config import Config
-from .deltanet import (DeltaNetState, DeltaNetWeights, gated_deltanet, hf_deltanet_state_dict,
-                       hf_deltanet_weights)
 from .embed import embed
 from .errors import LlmTraceError
-from .gemma4 import (PleWeights, config_layer_shapes, gemma4_attention, layer_scaled,
-                     per_layer_inputs, per_layer_residual, softcap)
 from .kv_cache import KVCache
-from .mla import LatentCache, MlaDims, MlaWeights, mla_attention
+from .mechanisms.deltanet import DeltaNetWeights, hf_deltanet_state_dict, hf_deltanet_weights
+from .mechanisms.mla import MlaWeights
+from .mechanisms.moe import MlpWeights, MoeWeights, hf_gpt_oss_tensors, hf_moe_weights
 from .memory import check_budget, keep_freed_memory_if_asked, needs_estimate
-from .mlp import swiglu
-from .moe import MlpWeights, MoeWeights, hf_gpt_oss_tensors, hf_moe_weights, moe_mlp
+from .mlp import MLP
 from .norm import rms_norm
 from .trace import NO_TRACE, Patched, Trace
 from .weights.names import (DENSE_MLP, FUSED_EXPERTS, LAYER_TENSORS, MLA_TENSORS, MODEL_TENSORS,
@@ -117,11 +115,6 @@ def mla_weights(c: Config, sd: dict, i: int) -> MlaWeights:
                          if f in shapes})
 
 
-def mla_dims(c: Config) -> MlaDims:
-    return MlaDims(c.n_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.head_dim, c.v_head_dim,
-                   c.q_lora_rank or None, c.rope_interleave, c.rope_scaling)
-
-
 def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
     """The inverse, in HF naming (used to write HF checkpoints)."""
     sd = {hf_name(f): getattr(w, f) for f in MODEL_TENSORS
@@ -144,99 +137,45 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
     return sd
 
 
-def attn_sublayer(h, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE,
-                  name="layers.0") -> torch.Tensor:
-    """What attention adds to the stream: attention of the normalized stream h [B, T, D];
-    sandwich_norm (Gemma): normalized once more before the add. A Gated DeltaNet layer
-    (Qwen3-Next) mixes the tokens through its state (`cache`) in place of attention."""
-    if config.kv_lora_rank:  # DeepSeek: K and V rebuilt from a cached latent
-        h = mla_attention(h, w.mla, mla_dims(config), pos, cache, trace,
-                          f"{name}.attn")  # [B, T, D]
-    elif w.linear is not None:  # Qwen3-Next: a fixed state per head, no KV cache
-        h = gated_deltanet(h, w.linear, config.deltanet_dims, cache, trace,
-                           f"{name}.attn")  # [B, T, D]
-    elif config.v_norm or config.k_eq_v or config.kv_shared_layers or config.global_head_dim:
-        h = gemma4_sublayer(h, w, config, pos, cache, trace, name)  # [B, T, D]: Gemma 4
-    else:
-        h = attention(h, w, config, pos, cache, trace, f"{name}.attn",
-                      config.attn_output_gate)  # [B, T, D]
-    if config.sandwich_norm:
-        h = rms_norm(h, w.post_attn_norm, config.norm_eps, trace,
-                     f"{name}.attn_post_norm", config.norm_offset)  # [B, T, D]
-    return h
-
-
-def mlp_sublayer(h, w: LayerWeights, config, trace=NO_TRACE, name="layers.0") -> torch.Tensor:
-    """What the MLP adds to the stream: the FFN of the normalized stream h [B, T, D];
-    sandwich_norm (Gemma): normalized once more before the add."""
-    if w.moe is not None:  # a mixture of experts: k of E expert MLPs (moe.py)
-        h = moe_mlp(h, w.moe, config.n_experts_active, config.moe_router,
-                    config.moe_renormalize, config.mlp_act, config.swiglu_limit,
-                    config.swiglu_alpha, trace=trace,
-                    name=f"{name}.mlp", n_group=config.moe_groups,
-                    topk_group=config.moe_groups_chosen,
-                    scaling=config.moe_scaling)  # [B, T, D]
-    else:
-        h = swiglu(h, w, trace, f"{name}.mlp", config.mlp_act)  # [B, T, D]
-    if config.sandwich_norm:
-        h = rms_norm(h, w.post_mlp_norm, config.norm_eps, trace,
-                     f"{name}.mlp_post_norm", config.norm_offset)  # [B, T, D]
-    return h
-
-
-def gemma4_sublayer(h, w: LayerWeights, config, pos: Positions, cache, trace, name):
-    """Gemma 4's attention of layer `name` ("layers.3"): with its own K, V, kept in the
-    pass's `pos.shared` for the layers that read them; a shared layer reads its source's."""
-    i = int(name.split(".")[1])
-    s = config_layer_shapes(config)[i]
-    kv = pos.shared[s.kv_source] if s.kv_source != i else None  # [B, S, KV, hd] each
-    h, pos.shared[i] = gemma4_attention(h, w, s, config.n_heads, config.norm_eps, pos,
-                                        cache, kv, trace, f"{name}.attn",
-                                        config.attn_scale)  # [B, T, D]
-    return h
-
-
-def gemma4_layer_end(x, w: LayerWeights, config, pos: Positions, trace, name):
-    """What a Gemma 4 layer adds after its MLP: its own per-layer input [B, T, P], gated in
-    by the stream (`ple_size`), then the whole times the layer's scalar."""
-    if config.ple_size:
-        ple = pos.shared["ple"][:, :, int(name.split(".")[1])]  # [B, T, P]
-        x = per_layer_residual(x, ple, w, config.norm_eps, trace, name)  # [B, T, D]
-    if config.layer_scalar:
-        x = layer_scaled(x, w.layer_scalar, trace, name)  # [B, T, D]
-    return x
-
-
-def block(x, w: LayerWeights, config, pos: Positions, cache=None, trace=NO_TRACE,
-          name="layers.0") -> torch.Tensor:
-    """One block, pre-norm: h = x + attention(norm(x)), then h + mlp(norm(h)).
-    sandwich_norm (Gemma): a norm after each sublayer too, before the add.
-    OLMo 2 has only those after (pre_norm off): h = x + norm(attention(x))."""
-    eps, off = config.norm_eps, config.norm_offset
-    h = rms_norm(x, w.attn_norm, eps, trace, f"{name}.attn_norm",
-                 off) if config.pre_norm else x  # [B, T, D]
-    h = attn_sublayer(h, w, config, pos, cache, trace, name)  # [B, T, D]
-    x = trace.record(f"{name}.resid_mid", "x + attn(attn_norm(x))",
-                     x + h)  # [B, T, D]
-    h = rms_norm(x, w.mlp_norm, eps, trace, f"{name}.mlp_norm",
-                 off) if config.pre_norm else x  # [B, T, D]
-    h = mlp_sublayer(h, w, config, trace, name)  # [B, T, D]
-    x = trace.record(f"{name}.resid_out", "h + mlp(mlp_norm(h))",
-                     x + h)  # [B, T, D]
-    if config.ple_size or config.layer_scalar:  # Gemma 4: per-layer input, layer scalar
-        x = gemma4_layer_end(x, w, config, pos, trace, name)  # [B, T, D]
-    return x
-
 # the book's two models by the names a reader knows them by (config name -> label)
 LABELS = {"smollm2-135m": "SmolLM2-135M", "tinyllama-1.1b": "TinyLlama-1.1B"}
 
 
 class Model:
+    """A model of one config and its weights: `forward` runs the ids through the embedding,
+    each layer's `Block` and the head. Llama's parts by default; `Model(config, weights)` is
+    the class of `config.family` (the subclass a family's module declares with
+    `class Gemma3(Model, family="gemma3_text")`, overriding the parts it changes)."""
+    families: dict[str, type] = {}  # model_type -> its Model subclass (families/)
+    norm = staticmethod(rms_norm)  # the model's RMSNorm: every block's, and the final one
+
+    def __init_subclass__(cls, family: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if family is not None:
+            Model.families[family] = cls
+
+    def __new__(cls, config: Config | None = None, *args, **kwargs):
+        if cls is Model and config is not None:
+            cls = Model.families.get(config.family, Model)
+        return super().__new__(cls)
+
     def __init__(self, config: Config, weights: Weights, tokenizer=None, source: str = ""):
         self.config = config
         self.weights = weights
         self.tokenizer = tokenizer
         self.source = source  # where the weights came from, for banners and --json
+        self.blocks = [self.block(i) for i in range(config.n_layers)]
+
+    # --- the parts of each layer: a family's module overrides those it changes -------------
+    def block(self, i: int) -> Block:
+        """Layer i: pre-norm attention and MLP, Llama's, alike in every layer."""
+        return Block(self.attention(i), self.mlp(i), self.config.norm_eps, self.norm)
+
+    def attention(self, i: int) -> Attention:
+        return Attention(self.config, i)
+
+    def mlp(self, i: int) -> MLP:
+        return MLP()
 
     @property
     def name(self) -> str:
@@ -256,61 +195,43 @@ class Model:
     def is_meta(self) -> bool:
         return self.device.type == "meta"
 
-    def new_cache(self, max_len: int, batch: int = 1) -> list[KVCache | LatentCache | None]:
-        """One `KVCache` per layer, for sequences up to max_len positions (latent attention:
-        one `LatentCache`, the latent and the rotated key part); a Gated DeltaNet layer
-        (Qwen3-Next) gets its `DeltaNetState` instead, the same size at any length. Gemma 4:
-        each of its layer's shape, and None for a layer that reads another's K, V."""
-        c, dtype = self.config, self.weights.embed.dtype
-        if c.kv_lora_rank:
-            return [LatentCache(max_len, c.kv_lora_rank, c.head_dim, batch, self.device, dtype)
-                    for _ in range(c.n_layers)]
-        if c.varied_layers:
-            return [KVCache(max_len, s.n_kv_heads, s.head_dim, batch, self.device, dtype)
-                    if s.kv_source == i else None
-                    for i, s in enumerate(config_layer_shapes(c))]
-        return [DeltaNetState(c.deltanet_dims, batch, self.device, dtype) if c.is_linear(i)
-                else KVCache(max_len, c.n_kv_heads, c.head_dim, batch, self.device, dtype)
-                for i in range(c.n_layers)]
+    def new_cache(self, max_len: int, batch: int = 1) -> list:
+        """What each layer keeps between steps, for sequences up to max_len positions: a
+        `KVCache` for Llama's attention (each part says its own: `new_state`)."""
+        dtype = self.weights.embed.dtype
+        return [b.attn.new_state(max_len, batch, self.device, dtype) for b in self.blocks]
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, trace=NO_TRACE,
                 cache: list[KVCache] | None = None, start: int = 0) -> torch.Tensor:
         """ids [B, T] at positions start..start+T-1 -> logits [B, T, V]. With a cache
-        (one KVCache per layer), K and V of the positions before `start` come from it.
+        (`new_cache`), K and V of the positions before `start` come from it.
         To patch operations, pass a `Patched` trace (or use `run`)."""
-        c, w = self.config, self.weights
-        ids = check_ids(ids, c.vocab_size, batch=True).to(self.device)  # [B, T]
-        pos = Positions.of(start, ids.shape[1], c, self.device)  # shared by every layer
-
-        x = embed(ids, w.embed, trace, c.embed_scale)  # [B, T, D]
-        if c.ple_size:  # Gemma 4: a small input for each layer, from the ids and x
-            pos.shared["ple"] = per_layer_inputs(
-                ids, x, PleWeights(w.ple_table, w.ple_model_proj, w.ple_model_norm),
-                c.n_layers, c.norm_eps, trace)  # [B, T, L, P]
-        for i, lw in enumerate(w.layers):
+        ids = check_ids(ids, self.config.vocab_size, batch=True).to(self.device)  # [B, T]
+        pos = self.positions(start, ids.shape[1])  # shared by every layer
+        x = self.embed(ids, trace)  # [B, T, D]
+        for i, (block, w) in enumerate(zip(self.blocks, self.weights.layers)):
             layer_cache = None if cache is None else cache[i]
-            # Gemma 3: a sliding layer has its own positions (window, RoPE base)
-            layer_pos = pos.local if pos.local and c.is_sliding(i) else pos
-            if c.no_rope_layers and not c.has_rope(i):  # SmolLM3: q, k unturned
-                layer_pos = replace(layer_pos, rope=False)
-            x = block(x, lw, c, layer_pos, layer_cache, trace,
-                      f"layers.{i}")  # [B, T, D]
+            x = block(x, w, pos, layer_cache, trace, f"layers.{i}")  # [B, T, D]
         return self.head(x, trace)  # [B, T, V]
+
+    def positions(self, start: int, T: int) -> Positions:
+        """Where this pass's T tokens sit, RoPE's tables for them, the causal mask."""
+        return Positions.of(start, T, self.config, self.device)
+
+    def embed(self, ids: torch.Tensor, trace=NO_TRACE) -> torch.Tensor:
+        """ids [B, T] -> their rows of the embedding table [B, T, D]."""
+        return embed(ids, self.weights.embed, trace)
 
     def head(self, x: torch.Tensor, trace=NO_TRACE) -> torch.Tensor:
         """The residual stream [..., D] to logits [..., V]: the final norm, then the LM head.
         Any leading shape: the logit lens reads each layer's stream through it."""
         c, w = self.config, self.weights
-        x = rms_norm(x, w.final_norm, c.norm_eps, trace, "final_norm",
-                     c.norm_offset)  # [..., D]
+        x = self.norm(x, w.final_norm, c.norm_eps, trace, "final_norm")  # [..., D]
         logits = F.linear(x, w.lm_head)  # [..., V]
         head = "tied: embed_tokens" if c.tied_lm_head else "lm_head"
         macs = math.prod(x.shape[:-1]) * c.hidden_size * c.vocab_size
-        logits = trace.record("lm_head", f"x @ W^T ({head})", logits, macs)
-        if c.final_softcap:  # Gemma 4: logits squashed below the cap
-            logits = softcap(logits, c.final_softcap, trace)  # [..., V]
-        return logits
+        return trace.record("lm_head", f"x @ W^T ({head})", logits, macs)  # [..., V]
 
     def encode(self, prompt: str, bos: bool | None = None) -> torch.Tensor:
         if not isinstance(prompt, str):

@@ -9,11 +9,9 @@ from .trace import NO_TRACE
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, trace=NO_TRACE,
-             name: str = "norm", offset: bool = False) -> torch.Tensor:
+             name: str = "norm") -> torch.Tensor:
     mean_sq = trace.record(f"{name}.mean_sq", "mean(x^2) over the last dim",
                            x.pow(2).mean(-1, keepdim=True))  # [B, T, 1]
     x_hat = x * torch.rsqrt(mean_sq + eps)  # [B, T, D]: each row now has RMS 1
-    # offset (Gemma): the weight is stored as gain - 1; 0 keeps x_hat
-    gain, what = (1 + weight, "(1 + weight)") if offset else (weight, "weight")
-    out = gain * x_hat  # [B, T, D]
-    return trace.record(name, f"x / sqrt(mean_sq + {eps:g}) * {what}", out)
+    return trace.record(name, f"x / sqrt(mean_sq + {eps:g}) * weight",
+                        weight * x_hat)  # [B, T, D]

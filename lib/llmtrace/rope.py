@@ -10,20 +10,16 @@ import math
 
 import torch
 
-from .errors import LlmTraceError
 from .trace import NO_TRACE
 
 
 def rope_frequencies(head_dim: int, theta: float, device=None,
                      scaling: tuple = ()) -> torch.Tensor:
     """freq_i = theta^(-2i / head_dim) for each of the head_dim/2 pairs: 1.0 first,
-    slowest last.
-    scaling: Llama 3's stretch (`llama3_scaled`) or YaRN's (`yarn_frequencies`)."""
+    slowest last. scaling: Llama 3's stretch for long contexts (`llama3_scaled`)."""
     pairs = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device)  # [hd/2]
     exponents = pairs.float() / head_dim
     freqs = 1.0 / theta**exponents  # [head_dim/2]
-    if scaling and dict(scaling).get("rope_type") == "yarn":  # gpt-oss
-        return yarn_frequencies(head_dim, theta, dict(scaling), device)
     return llama3_scaled(freqs, dict(scaling)) if scaling else freqs
 
 
@@ -43,94 +39,13 @@ def llama3_scaled(freqs: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 scaling: tuple = (),
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 scaling: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = rope_frequencies(head_dim, theta, positions.device,
                              scaling)  # [head_dim/2]
     angles = positions.float()[:, None] * freqs[None, :]  # [T, head_dim/2]
     # each pair (d, d + head_dim/2) shares an angle
     angles = torch.cat([angles, angles], dim=-1)  # [T, head_dim]
-    cos, sin = angles.cos(), angles.sin()  # [T, head_dim] each
-    if scaling:  # YaRN (gpt-oss) scales both by its attention factor, Llama 3 by 1
-        gain = rope_attention_factor(dict(scaling))
-        cos, sin = cos * gain, sin * gain  # [T, head_dim] each
-    return cos, sin
-
-
-# The keys of a YaRN rope_scaling that are computed here; HF's `partial_rotary_factor` (RoPE on
-# part of each head) is not, and is refused by name.
-YARN_KEYS = ("attention_factor", "beta_fast", "beta_slow", "factor", "mscale", "mscale_all_dim",
-             "original_max_position_embeddings", "rope_theta", "rope_type", "truncate")
-
-
-def yarn_checked(s: dict, theta: float | None = None) -> dict:
-    """s, a YaRN rope_scaling, or a one-line error naming the key not computed here."""
-    for key in s:
-        if key not in YARN_KEYS:
-            raise LlmTraceError(f"rope_scaling {key}={s[key]!r} is not computed for YaRN "
-                                f"(known: {', '.join(YARN_KEYS)}): remove it")
-    for key in ("factor", "original_max_position_embeddings"):
-        if not s.get(key):
-            raise LlmTraceError(f"rope_scaling of type 'yarn' needs a positive {key}, "
-                                f"got {s.get(key)!r}: write it in the config")
-    for key in ("attention_factor", "beta_fast", "beta_slow", "factor", "mscale",
-                "mscale_all_dim", "original_max_position_embeddings"):
-        v = s.get(key)
-        least = 0 if key.startswith("mscale") else 1e-300  # mscale 0: not used, as in HF
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                              or v < least):
-            raise LlmTraceError(f"rope_scaling {key}={v!r} must be a "
-                                f"{'number' if least == 0 else 'positive number'}")
-    if "truncate" in s and not isinstance(s["truncate"], bool):
-        raise LlmTraceError(f"rope_scaling truncate={s['truncate']!r} must be true or false")
-    if theta is not None and s.get("rope_theta", theta) != theta:
-        raise LlmTraceError(f"rope_scaling rope_theta={s['rope_theta']!r} differs from the "
-                            f"RoPE base {theta!r}: write one base")
-    return s
-
-
-def yarn_frequencies(head_dim: int, theta: float, s: dict, device=None) -> torch.Tensor:
-    """YaRN (gpt-oss): pairs that turn more than beta_fast times over the original context
-    keep their frequency (extrapolated), pairs that turn fewer than beta_slow times turn
-    `factor` times slower (interpolated), and a linear ramp over the pairs in between blends
-    the two. The same float32 steps as HF's `_compute_yarn_parameters`."""
-    s = yarn_checked(s, theta)
-    factor, old = s["factor"], s["original_max_position_embeddings"]
-    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1  # HF's defaults
-
-    def pair_of(turns):  # the (fractional) pair index that turns `turns` times in `old`
-        return head_dim * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = pair_of(fast), pair_of(slow)
-    if s.get("truncate", True):  # HF's default: whole pairs
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    high = high + 0.001 if low == high else high  # no zero-width ramp
-    pairs = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device)  # [hd/2]
-    wavelen = theta ** (pairs.float() / head_dim)  # [hd/2]: 1 / freq
-    ramp = (torch.arange(head_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)
-    keep = 1 - ramp.clamp(0, 1)  # [hd/2]: 1 extrapolated (fast pairs) .. 0 interpolated
-    return 1.0 / (factor * wavelen) * (1 - keep) + 1.0 / wavelen * keep  # [hd/2]
-
-
-def rope_attention_factor(s: dict) -> float:
-    """The factor YaRN multiplies cos and sin by (so every score by its square): its
-    `attention_factor` if given, else 0.1 ln(factor) + 1, or the ratio of two such terms
-    weighted by `mscale` and `mscale_all_dim` when both are set (DeepSeek's form), as HF
-    computes it. 1 for any other rope_type (Llama 3)."""
-    if s.get("rope_type") != "yarn":
-        return 1.0
-    s, given = yarn_checked(s), s.get("attention_factor")
-    if given is not None:
-        return given
-
-    def gain(scale, m=1):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    m, m_all = s.get("mscale"), s.get("mscale_all_dim")
-    if m and m_all:
-        return float(gain(s["factor"], m) / gain(s["factor"], m_all))
-    return gain(s["factor"])
+    return angles.cos(), angles.sin()  # [T, head_dim] each
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -140,18 +55,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, trace=NO_TRACE,
-               name: str = "rope", freq: str = "freq",
-               rotary_dim: int | None = None) -> torch.Tensor:
+               name: str = "rope", freq: str = "freq") -> torch.Tensor:
     """x: [B, T, n_heads, head_dim]. Rotates each pair (x[d], x[d+half]) by its angle:
     x[d]      -> x[d] cos - x[d+half] sin
     x[d+half] -> x[d+half] cos + x[d] sin"""
-    # Qwen3-Next: only the first rotary_dim of each head turn (None: the whole head)
-    if rotary_dim is not None and rotary_dim < x.shape[-1]:  # cos, sin [T, rotary_dim]
-        turned = apply_rope(x[..., :rotary_dim], cos, sin)  # [B, T, n_heads, rotary_dim]
-        out = torch.cat([turned, x[..., rotary_dim:]], dim=-1)  # the rest as it came
-        what = (f"rotate pairs (d, d+{rotary_dim // 2}) of the first {rotary_dim} dims by "
-                f"position * {freq}, the other {x.shape[-1] - rotary_dim} unturned")
-        return trace.record(name, what, out)
     # [T, 1, head_dim] each: the same angle for every head
     cos, sin = cos[:, None, :], sin[:, None, :]
     out = x * cos + rotate_half(x) * sin  # [B, T, n_heads, head_dim]

@@ -5,8 +5,8 @@ experts (top-k, never renormalized) beside the shared experts."""
 from ..errors import LlmTraceError
 from . import Family
 from ._read import HFKeys, plain_rope
-from .deepseek_v3 import (DEFAULTS as V3, KEYS, MLA_VARIES, MOE_VARIES, mla_fields, mla_hf,
-                          moe_fields, refuse_settings)
+from .deepseek_v3 import (DEFAULTS as V3, KEYS, MLA_VARIES, MOE_VARIES, DeepseekV3,
+                          mla_fields, mla_hf, moe_fields, refuse_settings)
 
 # DeepseekV2Config's defaults (transformers 5.24) where they differ from V3's
 DEFAULTS = {**V3, "num_key_value_heads": None, "max_position_embeddings": 2048,
@@ -41,3 +41,7 @@ FAMILY = Family("deepseek_v2", "DeepSeek-V2", "DeepseekV2ForCausalLM", "Deepseek
                 DEFAULTS, switches={"rope_interleave": True, "moe_renormalize": False},
                 varies=(*MLA_VARIES, *MOE_VARIES), read=read, write=write,
                 biased=("attention_bias",), keys=KEYS)
+
+
+class DeepseekV2(DeepseekV3, family="deepseek_v2"):
+    """DeepSeek-V3's layers, its router a softmax over the experts."""

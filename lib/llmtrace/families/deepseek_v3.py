@@ -6,6 +6,9 @@ experts, shared experts), its first `first_k_dense_replace` layers dense."""
 from ..errors import LlmTraceError
 from . import Family
 from ._read import HFKeys, plain_rope
+from ..mechanisms.mla import LatentAttention
+from ..model import Model
+from ._parts import mlp_of, positions_of
 
 # DeepseekV3Config's defaults (transformers 5.24) of the keys a config.json may leave out
 DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "head_dim": None,
@@ -137,3 +140,17 @@ FAMILY = Family("deepseek_v3", "DeepSeek-V3", "DeepseekV3ForCausalLM", "Deepseek
                 DEFAULTS, varies=(*MLA_VARIES, "rope_interleave", *MOE_VARIES, "moe_groups",
                                   "moe_groups_chosen", "moe_renormalize"),
                 read=read, write=write, biased=("attention_bias",), keys=KEYS)
+
+
+class DeepseekV3(Model, family="deepseek_v3"):
+    """Llama with multi-head latent attention (K and V rebuilt from a cached latent), YaRN, and a
+    mixture of experts (sigmoid scores, groups, a shared expert) after the first dense layers."""
+
+    def attention(self, i):
+        return LatentAttention(self.config, i)
+
+    def mlp(self, i):
+        return mlp_of(self.config, i)
+
+    def positions(self, start, T):
+        return positions_of(self, start, T)

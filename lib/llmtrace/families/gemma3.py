@@ -6,6 +6,13 @@ import math
 from ..errors import LlmTraceError
 from . import Family
 from ._read import HFKeys, rope_theta_of
+from ..attention import Attention
+from ..mechanisms import part
+from ..mechanisms.attention_steps import HeadNormed, OwnBase, Scaled
+from ..mechanisms.gemma import OffsetNorm, SandwichBlock, scaled_embed
+from ..model import Model
+from ..embed import embed
+from ._parts import mlp_of, norm_of, positions_of, window
 
 WITH_VISION = ("model_type 'gemma3' (Gemma 3 with its vision tower) is not implemented: use a "
                "text-only Gemma 3 (gemma3_text, e.g. gemma-3-270m or gemma-3-1b)")
@@ -93,3 +100,37 @@ FAMILY = Family("gemma3_text", "Gemma 3", "Gemma3ForCausalLM", "Gemma3TextConfig
                 varies=("sliding_window", "attn_scale", "layer_types", "rope_local_theta"),
                 read=gemma3_switches, write=gemma3_to_hf, biased=("attention_bias",),
                 not_null=("num_key_value_heads", "head_dim"))
+
+
+class Gemma3(Model, family="gemma3_text"):
+    """Llama with Gemma's norms (1 + weight, and after each sublayer too), GeGLU, a scaled
+    embedding, scores scaled by query_pre_attn_scalar, QK-norm, and sliding layers that turn
+    at a RoPE base of their own."""
+
+    def __init__(self, config, *args, **kwargs):
+        self.norm = norm_of(config)
+        super().__init__(config, *args, **kwargs)
+
+    def block(self, i):
+        c = self.config
+        if not c.sandwich_norm:
+            return super().block(i)
+        return SandwichBlock(self.attention(i), self.mlp(i), c.norm_eps, self.norm, c.pre_norm)
+
+    def attention(self, i):
+        c = self.config
+        own_base = c.layer_types and c.rope_local_theta and c.rope_local_theta != c.rope_theta
+        return part(c.qk_norm and c.norm_offset and OffsetNorm, c.qk_norm and HeadNormed,
+                    own_base and OwnBase, c.attn_scale and Scaled, window(c, i),
+                    Attention)(c, i)
+
+    def mlp(self, i):
+        return mlp_of(self.config, i)
+
+    def positions(self, start, T):
+        return positions_of(self, start, T)
+
+    def embed(self, ids, trace):
+        table = self.weights.embed
+        return scaled_embed(ids, table, trace) if self.config.embed_scale else embed(
+            ids, table, trace)

@@ -4,8 +4,22 @@ last layers reading earlier layers' K and V, per-layer inputs, a scalar per laye
 logits. What each computes: gemma4.py. Its MoE variant (enable_moe_block) is refused by that
 key (families.refuse_unsupported), its towers by theirs (gemma4.refuse_unsupported)."""
 
+import torch
+
+from ..attention import Positions
+from ..check import check_ids
+from ..embed import embed
 from ..errors import LlmTraceError
-from ..gemma4 import layer_kinds, refuse_unsupported, rope_settings
+from ..mechanisms import part
+from ..mechanisms.attention_steps import Scaled
+from ..mechanisms.gemma import SandwichBlock, scaled_embed
+from ..mechanisms.gemma4 import (Gemma4Attention, Gemma4Block, PleWeights,
+                                 per_layer_inputs, proportional_cos_sin, softcap)
+from ..model import Model
+from ..rope import rope_cos_sin
+from ..trace import NO_TRACE
+from ._parts import mlp_of, norm_of, window
+from ..mechanisms.gemma4 import layer_kinds, refuse_unsupported, rope_settings
 from . import Family
 from ._read import HFKeys
 from .gemma3 import HF_LAYER_KINDS
@@ -147,3 +161,69 @@ FAMILY = Family("gemma4_text", "Gemma 4", "Gemma4ForCausalLM", "Gemma4TextConfig
                       "rope_theta": "rope_parameters.full_attention.rope_theta",
                       "rope_partial": "rope_parameters.full_attention.partial_rotary_factor",
                       "rope_local_theta": "rope_parameters.sliding_attention.rope_theta"})
+
+
+class Gemma4(Model, family="gemma4_text"):
+    """Gemma 3's block (norms after each sublayer, GeGLU, a scaled embedding) with layers of two
+    shapes, the last layers reading earlier layers' K and V (`mechanisms.gemma4`), per-layer
+    inputs, a scalar per layer, and soft-capped logits."""
+
+    def __init__(self, config, *args, **kwargs):
+        self.norm = norm_of(config)
+        super().__init__(config, *args, **kwargs)
+
+    def block(self, i):
+        c = self.config
+        inner = SandwichBlock(self.attention(i), self.mlp(i), c.norm_eps, self.norm)
+        return Gemma4Block(inner, i, bool(c.ple_size), c.layer_scalar)
+
+    def attention(self, i):
+        c = self.config
+        return part(c.attn_scale and Scaled, window(c, i), Gemma4Attention)(c, i)
+
+    def mlp(self, i):
+        return mlp_of(self.config, i)
+
+    def positions(self, start, T):
+        """Full layers turn part of each wider head (`proportional_cos_sin`); sliding layers
+        their own heads at their own base (`pos.more["local"]`)."""
+        c = self.config
+        if start + T > c.max_positions:
+            return Positions.of(start, T, c)  # its error
+        p = torch.arange(start, start + T, device=self.device)  # [T]
+        cos, sin = proportional_cos_sin(p, c.global_head_dim or c.head_dim, c.rope_theta,
+                                        c.rope_partial)  # [T, hd_full] each
+        pos = Positions.of(start, T, c, self.device, lambda *_: (cos, sin))
+        local = pos
+        if c.rope_local_theta:
+            local = Positions(start, *rope_cos_sin(p, c.head_dim, c.rope_local_theta),
+                              pos.mask, pos.more)
+        pos.more["local"] = local
+        return pos
+
+    def embed(self, ids, trace=NO_TRACE):
+        table = self.weights.embed
+        return scaled_embed(ids, table, trace) if self.config.embed_scale else embed(
+            ids, table, trace)
+
+    @torch.inference_mode()
+    def forward(self, ids, trace=NO_TRACE, cache=None, start=0):
+        """Llama's pass, with each layer's small input computed after the embedding."""
+        c, w = self.config, self.weights
+        ids = check_ids(ids, c.vocab_size, batch=True).to(self.device)  # [B, T]
+        pos = self.positions(start, ids.shape[1])
+        x = self.embed(ids, trace)  # [B, T, D]
+        if c.ple_size:  # a small input for each layer, from the ids and x
+            pos.more["ple"] = per_layer_inputs(
+                ids, x, PleWeights(w.ple_table, w.ple_model_proj, w.ple_model_norm),
+                c.n_layers, c.norm_eps, trace)  # [B, T, L, P]
+        for i, (block, lw) in enumerate(zip(self.blocks, w.layers)):
+            x = block(x, lw, pos, None if cache is None else cache[i], trace,
+                      f"layers.{i}")  # [B, T, D]
+        return self.head(x, trace)  # [B, T, V]
+
+    def head(self, x, trace=NO_TRACE):
+        logits = super().head(x, trace)  # [..., V]
+        cap = self.config.final_softcap
+        return softcap(logits, cap, trace) if cap else logits  # [..., V]
+

@@ -7,6 +7,11 @@ from ..errors import LlmTraceError
 from . import Family
 from ._read import HFKeys, plain_rope
 from .gemma3 import HF_LAYER_KINDS
+from ..attention import Attention
+from ..mechanisms import part
+from ..mechanisms.attention_steps import Biased, OutBiased, Sinks
+from ..model import Model
+from ._parts import mlp_of, positions_of, window
 
 # GptOssConfig's defaults (transformers 5.24, models/gpt_oss/configuration_gpt_oss.py)
 DEFAULTS = {"rms_norm_eps": 1e-5, "tie_word_embeddings": False, "head_dim": 64,
@@ -102,3 +107,19 @@ FAMILY = Family("gpt_oss", "gpt-oss", "GptOssForCausalLM", "GptOssConfig", DEFAU
                 keys={"n_experts": "num_local_experts", "n_experts_active": "num_experts_per_tok",
                       "moe_ffn_size": "intermediate_size", "qkv_bias": "attention_bias",
                       "o_bias": "attention_bias"})
+
+
+class GptOss(Model, family="gpt_oss"):
+    """Llama with biases on Q, K, V and O, a learned sink per head, sliding layers between full
+    ones, YaRN, and a mixture of experts with biases and a clamped GLU."""
+
+    def attention(self, i):
+        c = self.config
+        return part(c.attn_sinks and Sinks, c.o_bias and OutBiased, c.qkv_bias and Biased,
+                    window(c, i), Attention)(c, i)
+
+    def mlp(self, i):
+        return mlp_of(self.config, i)
+
+    def positions(self, start, T):
+        return positions_of(self, start, T)

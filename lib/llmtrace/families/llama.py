@@ -1,6 +1,7 @@
 """Llama 2 and 3 (and TinyLlama, SmolLM2): the family every default of `Config` is."""
 
 from . import Family
+from ..model import Model
 
 # HF's LlamaConfig's default for each key config.json may leave out. None for
 # num_key_value_heads: num_attention_heads; for head_dim: hidden_size // num_attention_heads.
@@ -13,3 +14,7 @@ DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "head_dim": None
 FAMILY = Family("llama", "Llama 2 and 3", "LlamaForCausalLM", "LlamaConfig", DEFAULTS,
                 # attention_bias adds one to the output projection too, mlp_bias to the MLP's
                 biased=("attention_bias", "mlp_bias"))
+
+
+class Llama(Model, family="llama"):
+    """Llama's parts, as `model.Model` builds them; its RoPE stretched as Llama 3's config says."""

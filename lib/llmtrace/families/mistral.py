@@ -3,6 +3,10 @@
 from . import Family
 from ._read import HFKeys, plain_rope
 from .llama import DEFAULTS as LLAMA
+from ..attention import Attention
+from ..mechanisms import part
+from ..model import Model
+from ._parts import window
 
 
 def read(k: HFKeys) -> dict:
@@ -19,3 +23,10 @@ FAMILY = Family("mistral", "Mistral", "MistralForCausalLM", "MistralConfig",
                  "sliding_window": 4096},
                 varies=("sliding_window",), read=read, write=write,
                 not_null=("num_key_value_heads",))  # HF's class ignores both biases
+
+
+class Mistral(Model, family="mistral"):
+    """Llama with a sliding window on every layer."""
+
+    def attention(self, i):
+        return part(window(self.config, i), Attention)(self.config, i)

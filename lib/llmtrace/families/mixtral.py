@@ -7,6 +7,8 @@ from . import Family
 from ._read import HFKeys
 from .llama import DEFAULTS as LLAMA
 from .mistral import read as mistral_read, write as mistral_write
+from ._parts import mlp_of
+from .mistral import Mistral
 
 # MixtralConfig's defaults (transformers 5.24, models/mixtral/configuration_mixtral.py)
 DEFAULTS = {**LLAMA, "rms_norm_eps": 1e-5, "num_key_value_heads": 8, "rope_theta": 1_000_000.0,
@@ -36,3 +38,10 @@ FAMILY = Family("mixtral", "Mixtral", "MixtralForCausalLM", "MixtralConfig", DEF
                 read=read, write=write,
                 keys={"n_experts": "num_local_experts", "n_experts_active": "num_experts_per_tok",
                       "moe_ffn_size": "intermediate_size"})  # HF's class has no bias
+
+
+class Mixtral(Mistral, family="mixtral"):
+    """Mistral with a mixture of experts in every layer's MLP."""
+
+    def mlp(self, i):
+        return mlp_of(self.config, i)

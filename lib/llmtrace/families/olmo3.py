@@ -7,6 +7,11 @@ from . import Family
 from ._read import HFKeys, rope_theta_of
 from .gemma3 import HF_LAYER_KINDS
 from .olmo2 import FAMILY as OLMO2
+from ..attention import Attention
+from ..mechanisms import part
+from ..mechanisms.attention_steps import OwnBase, ProjNormed
+from ._parts import positions_of, window
+from .olmo2 import Olmo2
 
 
 def refuse(c: dict, where: str) -> None:
@@ -76,3 +81,16 @@ FAMILY = Family("olmo3", "OLMo 3", "Olmo3ForCausalLM", "Olmo3Config",
                 varies=("sliding_window", "layer_types", "rope_local_theta"),
                 read=read, write=write, refuse=refuse,
                 biased=("attention_bias",))  # on Q, K, V and the output projection
+
+
+class Olmo3(Olmo2, family="olmo3"):
+    """OLMo 2 with sliding layers (three to one full), each kind at a RoPE base of its own."""
+
+    def attention(self, i):
+        c = self.config
+        own_base = c.layer_types and c.rope_local_theta and c.rope_local_theta != c.rope_theta
+        return part(c.qk_proj_norm and ProjNormed, own_base and OwnBase, window(c, i),
+                    Attention)(c, i)
+
+    def positions(self, start, T):
+        return positions_of(self, start, T)

@@ -3,6 +3,11 @@
 from ..errors import LlmTraceError
 from . import Family
 from .llama import DEFAULTS as LLAMA
+from ..attention import Attention
+from ..mechanisms import part
+from ..mechanisms.attention_steps import Biased
+from ..model import Model
+from ._parts import window
 
 DEFAULTS = {**LLAMA, "num_key_value_heads": 32, "max_position_embeddings": 32768,
             "bos_token_id": None, "eos_token_id": None}
@@ -22,3 +27,11 @@ def refuse_window(c: dict, where: str) -> None:
 
 FAMILY = Family("qwen2", "Qwen2", "Qwen2ForCausalLM", "Qwen2Config", DEFAULTS,
                 switches={"qkv_bias": True}, refuse=refuse_window, not_null=("head_dim",))
+
+
+class Qwen2(Model, family="qwen2"):
+    """Llama with a bias on Q, K and V."""
+
+    def attention(self, i):
+        c = self.config
+        return part(c.qkv_bias and Biased, window(c, i), Attention)(c, i)

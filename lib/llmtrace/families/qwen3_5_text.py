@@ -6,6 +6,7 @@ position ids of a text token are equal), so its mrope keys are read and left unu
 from ..errors import LlmTraceError
 from . import Family
 from .qwen3_next import DEFAULTS as QWEN3_NEXT, FAMILY as NEXT, read
+from .qwen3_next import Qwen3Next
 
 MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 WITH_VISION = ("model_type 'qwen3_5' (Qwen3.5 with its vision tower) is not implemented: use its "
@@ -39,3 +40,7 @@ FAMILY = Family("qwen3_5_text", "Qwen3.5 (text)", "Qwen3_5ForCausalLM", "Qwen3_5
                 varies=("layer_types", "linear_attn", "partial_rotary_factor"),
                 read=read, write=write,
                 refuse=refuse, biased=NEXT.biased, not_null=NEXT.not_null, keys=NEXT.keys)
+
+
+class Qwen35Text(Qwen3Next, family="qwen3_5_text"):
+    """Qwen3-Next's layers with a dense MLP."""

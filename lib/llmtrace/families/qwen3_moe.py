@@ -6,6 +6,8 @@ from ..errors import LlmTraceError
 from . import Family
 from ._read import HFKeys, plain_rope
 from .qwen2 import DEFAULTS as QWEN2
+from ._parts import mlp_of
+from .qwen3 import Qwen3
 
 # Qwen3MoeConfig's defaults (transformers 5.24, models/qwen3_moe/configuration_qwen3_moe.py);
 # it has no head_dim key: the attention takes hidden_size // num_attention_heads unless given
@@ -70,3 +72,10 @@ FAMILY = Family("qwen3_moe", "Qwen3-MoE", "Qwen3MoeForCausalLM", "Qwen3MoeConfig
                 keys={"n_experts": "num_experts", "n_experts_active": "num_experts_per_tok",
                       "moe_ffn_size": "moe_intermediate_size",
                       "moe_renormalize": "norm_topk_prob", "mlp_types": "mlp_only_layers"})
+
+
+class Qwen3Moe(Qwen3, family="qwen3_moe"):
+    """Qwen3 with a mixture of experts in the MLP of each layer the config says."""
+
+    def mlp(self, i):
+        return mlp_of(self.config, i)

@@ -7,6 +7,13 @@ from ..errors import LlmTraceError
 from . import Family
 from ._read import HFKeys, plain_rope
 from .qwen3_moe import mlp_types_of
+from ..attention import Attention, Positions
+from ..mechanisms import part
+from ..mechanisms.attention_steps import HeadNormed
+from ..mechanisms.deltanet import GatedAttention, GatedDeltaNet
+from ..mechanisms.gemma import OffsetNorm
+from ..model import Model
+from ._parts import mlp_of, norm_of, rope_of
 
 HF_LAYER_KINDS = {"linear_attention": "linear", "full_attention": "full"}
 # Qwen3NextConfig's defaults (transformers 5.24), which are Qwen3-Next-80B-A3B's shapes
@@ -119,3 +126,31 @@ FAMILY = Family("qwen3_next", "Qwen3-Next", "Qwen3NextForCausalLM", "Qwen3NextCo
                       **dict(zip(LINEAR_PARTS, LINEAR_KEYS))},
                 read=read, write=write, refuse=refuse, biased=("attention_bias",),
                 not_null=("head_dim", "num_key_value_heads"))
+
+
+class Qwen3Next(Model, family="qwen3_next"):
+    """Gated DeltaNet layers (a fixed state per head) between gated attention layers (each
+    head's output times a sigmoid gate, RoPE on a quarter of each head, QK-norm), norms around
+    1 + weight, and a mixture of experts with a gated shared expert."""
+
+    def __init__(self, config, *args, **kwargs):
+        self.norm = norm_of(config)
+        super().__init__(config, *args, **kwargs)
+
+    def attention(self, i):
+        c = self.config
+        if c.is_linear(i):
+            return GatedDeltaNet(c, i)
+        return part(c.qk_norm and c.norm_offset and OffsetNorm, c.qk_norm and HeadNormed,
+                    GatedAttention if c.attn_output_gate else Attention)(c, i)
+
+    def mlp(self, i):
+        return mlp_of(self.config, i)
+
+    def positions(self, start, T):
+        c, rope = self.config, rope_of(self.config)
+
+        def turned(positions, head_dim, theta, scaling):  # RoPE on rotary_dim of each head
+            return rope(positions, c.rotary_dim or head_dim, theta, scaling)
+
+        return Positions.of(start, T, c, self.device, turned)

@@ -7,6 +7,11 @@ from . import Family
 from ._read import HFKeys, plain_rope
 from .gemma3 import HF_LAYER_KINDS
 from .llama import DEFAULTS as LLAMA
+from ..attention import Attention
+from ..mechanisms import part
+from ..mechanisms.attention_steps import Unturned
+from ..model import Model
+from ._parts import window
 
 
 def read(k: HFKeys) -> dict:
@@ -64,3 +69,11 @@ FAMILY = Family("smollm3", "SmolLM3", "SmolLM3ForCausalLM", "SmolLM3Config",
                  "no_rope_layer_interval": 4},
                 varies=("no_rope_layers", "sliding_window", "layer_types"),
                 read=read, write=write, biased=("attention_bias", "mlp_bias"))
+
+
+class SmolLM3(Model, family="smollm3"):
+    """Llama with no RoPE on every fourth layer (NoPE), and sliding layers where it says."""
+
+    def attention(self, i):
+        c = self.config
+        return part(not c.has_rope(i) and Unturned, window(c, i), Attention)(c, i)

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .errors import LlmTraceError
-from .mlp import swiglu
-from .trace import NO_TRACE
+from ..errors import LlmTraceError
+from ..mlp import swiglu
+from ..trace import NO_TRACE
 
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group")
 ACTS = ("silu", "gpt_oss", "gelu_tanh")
@@ -347,3 +347,20 @@ def _check_args(w: MoeWeights, k: int, router: str, act: str) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= E:
         raise LlmTraceError(f"k (experts per position) must be a whole number "
                             f"in 1 .. {E}, got {k!r}")
+
+
+class MoE:
+    """A layer's mixture of experts as a part, in the gated MLP's place: x [B, T, D] ->
+    [B, T, D], its weights `w.moe` (`MoeWeights`), its router and experts as the config
+    says (`moe_mlp`)."""
+
+    def __init__(self, config, layer: int = 0):
+        c = config
+        self.k, self.router, self.renormalize = c.n_experts_active, c.moe_router, c.moe_renormalize
+        self.act, self.limit, self.alpha = c.mlp_act, c.swiglu_limit, c.swiglu_alpha
+        self.groups, self.chosen, self.scaling = c.moe_groups, c.moe_groups_chosen, c.moe_scaling
+
+    def __call__(self, x, w, trace=NO_TRACE, name: str = "mlp"):
+        return moe_mlp(x, w.moe, self.k, self.router, self.renormalize, self.act, self.limit,
+                       self.alpha, trace=trace, name=name, n_group=self.groups,
+                       topk_group=self.chosen, scaling=self.scaling)  # [B, T, D]

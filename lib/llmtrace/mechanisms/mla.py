@@ -29,11 +29,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention import Positions, attend
-from .errors import LlmTraceError
-from .norm import rms_norm
-from .rope import apply_rope
-from .trace import NO_TRACE
+from ..attention import Positions
+from ..errors import LlmTraceError
+from ..norm import rms_norm
+from ..rope import apply_rope
+from ..trace import NO_TRACE
+from .attention_steps import Scaled
 
 # HF builds q_a_layernorm and kv_a_layernorm with this eps, whatever rms_norm_eps says
 LATENT_EPS = 1e-6
@@ -235,27 +236,42 @@ def mla_keys_values(latent, k_rope, w: MlaWeights, d: MlaDims, trace=NO_TRACE,
     return k, v
 
 
-def mla_attention(x, w: MlaWeights, d: MlaDims, pos: Positions,
-                  cache: LatentCache | None = None, trace=NO_TRACE, name="attn"):
-    """x [B, T, D] -> [B, T, D]. pos: this pass's positions, its cos and sin of width
-    dr; cache: this layer's `LatentCache`, or None to attend over this pass only."""
-    B, T, D = x.shape
-    H, dn, dv = d.n_heads, d.qk_nope_head_dim, d.v_head_dim
-    q = mla_queries(x, w, d, trace, name)  # [B, T, H, dn+dr]
-    q_rope = trace.record(f"{name}.rope_q", rope_words(d),
-                          mla_rope(q[..., dn:], pos, d))  # [B, T, H, dr]
-    latent, k_rope = mla_latent(x, w, d, pos, trace, name)  # [B, T, R], [B, T, dr]
-    latent, k_rope = read_latent_cache(latent, k_rope, pos.start, cache, trace,
-                                       name)  # [B, S, R], [B, S, dr]
-    k, v = mla_keys_values(latent, k_rope, w, d, trace, name)  # [B, S, H, dn+dr | dv]
+class LatentAttention(Scaled):
+    """One layer's multi-head latent attention, a part as `attention.Attention` is: the same
+    scores, mask, softmax and output steps; what it projects, turns and caches is its own.
+    Its state is a `LatentCache`; its weights `w.mla` (`MlaWeights`)."""
 
-    q = torch.cat([q[..., :dn], q_rope], dim=-1).transpose(1, 2)  # [B, H, T, dn+dr]
-    out = attend(q, k.transpose(1, 2), v.transpose(1, 2), pos.mask, trace, name,
-                 pos.start, None, d.softmax_scale)  # [B, H, T, dv]
-    out = out.transpose(1, 2).reshape(B, T, H * dv)  # [B, T, H*dv]
-    out = trace.record(f"{name}.merged", "heads back side by side", out)
-    return trace.record(f"{name}.out", "merged @ W_o^T", F.linear(out, w.o_proj),
-                        B * T * H * dv * D)  # [B, T, D]
+    def __init__(self, config, layer: int = 0):
+        self.dims = MlaDims(config.n_heads, config.kv_lora_rank, config.qk_nope_head_dim,
+                            config.head_dim, config.v_head_dim, config.q_lora_rank or None,
+                            config.rope_interleave, config.rope_scaling)
+        self.scale = self.dims.softmax_scale
+
+    def new_state(self, max_len: int, batch: int = 1, device="cpu",
+                  dtype=torch.float32) -> LatentCache:
+        d = self.dims
+        return LatentCache(max_len, d.kv_lora_rank, d.qk_rope_head_dim, batch, device, dtype)
+
+    def cache_values(self, context: int) -> int:
+        return context * (self.dims.kv_lora_rank + self.dims.qk_rope_head_dim)
+
+    def __call__(self, x, w, pos: Positions, cache: LatentCache | None = None,
+                 trace=NO_TRACE, name="attn"):
+        """x [B, T, D] -> [B, T, D]. pos: this pass's positions, its cos and sin of width
+        dr; cache: this layer's `LatentCache`, or None to attend over this pass only."""
+        d, w = self.dims, w.mla
+        dn = d.qk_nope_head_dim
+        q = mla_queries(x, w, d, trace, name)  # [B, T, H, dn+dr]
+        q_rope = trace.record(f"{name}.rope_q", rope_words(d),
+                              mla_rope(q[..., dn:], pos, d))  # [B, T, H, dr]
+        latent, k_rope = mla_latent(x, w, d, pos, trace, name)  # [B, T, R], [B, T, dr]
+        latent, k_rope = read_latent_cache(latent, k_rope, pos.start, cache, trace,
+                                           name)  # [B, S, R], [B, S, dr]
+        k, v = mla_keys_values(latent, k_rope, w, d, trace, name)  # [B, S, H, dn+dr | dv]
+        q = torch.cat([q[..., :dn], q_rope], dim=-1).transpose(1, 2)  # [B, H, T, dn+dr]
+        out = self.mix(q, k.transpose(1, 2), v.transpose(1, 2), w, pos, trace,
+                       name)  # [B, H, T, dv]
+        return self.output(out, w, trace, name)  # [B, T, D]
 
 
 def mla_params(w: MlaWeights) -> int:

@@ -30,10 +30,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention import repeat_kv
-from .errors import LlmTraceError
-from .norm import rms_norm
-from .trace import NO_TRACE
+from ..attention import Attention, repeat_kv
+from ..errors import LlmTraceError
+from ..norm import rms_norm
+from ..rope import apply_rope
+from ..trace import NO_TRACE
 
 MODES = ("chunked", "recurrent")
 
@@ -341,3 +342,87 @@ def hf_deltanet_weights(get, prefix: str, dims: DeltaNetDims,
                            A_log=get(f"{p}.A_log"), dt_bias=get(f"{p}.dt_bias"),
                            norm=get(f"{p}.norm.weight"),
                            out_proj=get(f"{p}.out_proj.weight"))
+
+
+class GatedDeltaNet:
+    """A Gated DeltaNet layer as a part, in attention's place (Qwen3-Next's "linear" layers):
+    its state a `DeltaNetState`, the same size at any length; its weights `w.linear`."""
+
+    def __init__(self, config, layer: int = 0):
+        self.dims = config.deltanet_dims
+
+    def new_state(self, max_len: int, batch: int = 1, device="cpu",
+                  dtype=torch.float32) -> DeltaNetState:
+        return DeltaNetState(self.dims, batch, device, dtype)
+
+    def cache_values(self, context: int) -> int:
+        return state_bytes(self.dims, bytes_per_value=1)
+
+    def __call__(self, x, w, pos, cache=None, trace=NO_TRACE, name="attn"):
+        return gated_deltanet(x, w.linear, self.dims, cache, trace, name)  # [B, T, D]
+
+
+def partial_rope(x, cos, sin, rotary_dim: int, trace=NO_TRACE, name: str = "rope",
+                 freq: str = "freq"):
+    """RoPE on the first rotary_dim of each head (cos, sin [T, rotary_dim]), the rest of
+    x [B, T, heads, hd] as it came."""
+    turned = apply_rope(x[..., :rotary_dim], cos, sin)  # [B, T, heads, rotary_dim]
+    out = torch.cat([turned, x[..., rotary_dim:]], dim=-1)  # [B, T, heads, hd]
+    what = (f"rotate pairs (d, d+{rotary_dim // 2}) of the first {rotary_dim} dims by "
+            f"position * {freq}, the other {x.shape[-1] - rotary_dim} unturned")
+    return trace.record(name, what, out)
+
+
+class GatedAttention(Attention):
+    """Qwen3-Next's full-attention layers: W_q gives each head its query and a gate; each
+    head's output times sigmoid(gate); RoPE on the first `rotary_dim` of each head."""
+
+    def __init__(self, config, layer: int = 0):
+        super().__init__(config, layer)
+        self.rotary_dim = config.rotary_dim  # None: the whole head turns
+
+    def __call__(self, x, w, pos, cache=None, trace=NO_TRACE, name="attn"):
+        q, gate, k, v = self.gated_qkv(x, w, trace, name)  # [B, T, H*hd], [B, T, H, hd]
+        q, k, v = self.heads(q, k, v, w, trace, name)  # [B, T, H | KV, hd]
+        q, k = self.rotate(q, k, pos, trace, name)  # [B, T, H | KV, hd]
+        k, v = self.read_cache(k, v, pos.start, cache, trace, name)  # [B, S, KV, hd]
+        out = self.attend(q, k, v, w, pos, trace, name)  # [B, H, T, hd]
+        out = trace.record(f"{name}.output_gate", "weighted_sum * sigmoid(gate)",
+                           out * torch.sigmoid(gate).transpose(1, 2))  # [B, H, T, hd]
+        return self.output(out, w, trace, name)  # [B, T, D]
+
+    def gated_qkv(self, x, w, trace, name):
+        B, T, D = x.shape
+        H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        qg = trace.record(f"{name}.q_proj", "x @ W_q^T: per head, query then gate",
+                          F.linear(x, w.q_proj), B * T * D * 2 * H * hd)  # [B, T, 2H*hd]
+        qg = qg.view(B, T, H, 2 * hd)  # [B, T, H, 2*hd]
+        gate = trace.record(f"{name}.gate", "second half of each head's q_proj",
+                            qg[..., hd:])  # [B, T, H, hd]
+        q = qg[..., :hd].reshape(B, T, H * hd)  # [B, T, H*hd]
+        k = trace.record(f"{name}.k_proj", "x @ W_k^T", F.linear(x, w.k_proj),
+                         B * T * D * KV * hd)  # [B, T, KV*hd]
+        v = trace.record(f"{name}.v_proj", "x @ W_v^T", F.linear(x, w.v_proj),
+                         B * T * D * KV * hd)  # [B, T, KV*hd]
+        return q, gate, k, v
+
+    def rotate(self, q, k, pos, trace, name):
+        if self.rotary_dim is None:
+            return super().rotate(q, k, pos, trace, name)
+        q = partial_rope(q, pos.cos, pos.sin, self.rotary_dim, trace, f"{name}.rope_q",
+                         self.freq)  # [B, T, H, hd]
+        k = partial_rope(k, pos.cos, pos.sin, self.rotary_dim, trace, f"{name}.rope_k",
+                         self.freq)  # [B, T, KV, hd]
+        return q, k
+
+    def output(self, out, w, trace, name):
+        B, H, T, hd = out.shape
+
+        def merge(o):  # [B, H, T, hd] -> [B, T, H*hd]
+            return o.transpose(1, 2).reshape(B, T, H * hd)
+
+        out = trace.record(f"{name}.merged", "heads back side by side", merge(out),
+                           recompute=(merge, f"{name}.output_gate"))  # [B, T, H*hd]
+        D = w.o_proj.shape[0]
+        return trace.record(f"{name}.out", "merged @ W_o^T", F.linear(out, w.o_proj),
+                            B * T * H * hd * D)  # [B, T, D]

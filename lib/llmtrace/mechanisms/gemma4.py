@@ -17,9 +17,7 @@
   it with its stream and adds it back (`per_layer_residual`).
 - Each layer's output is multiplied by a stored scalar (`layer_scaled`), and the final logits
   are soft-capped (`softcap`).
-- The MoE variant (`enable_moe_block`) keeps the dense MLP and adds experts beside it, on the
-  same stream, with a router of its own (`gemma4_router`) and norms of their own
-  (`moe_branch`); the experts are moe.py's, with GeGLU.
+- The MoE variant (`enable_moe_block`), experts beside the dense MLP, is refused by its key.
 
 Shapes: B batch, T positions, D hidden, H query heads, KV key/value heads, hd a layer's head
 dim, L layers, P `hidden_size_per_layer_input`, S positions read from the cache.
@@ -30,12 +28,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention import attend, repeat_kv
-from .errors import LlmTraceError
-from .moe import MoeWeights, chosen_expert_outputs, route
-from .norm import rms_norm
-from .rope import apply_rope
-from .trace import NO_TRACE
+from ..attention import Attention
+from ..block import Block
+from ..errors import LlmTraceError
+from ..norm import rms_norm
+from ..rope import apply_rope
+from ..trace import NO_TRACE
 
 # HF config keys of parts computed nowhere here, and what each would add. The multimodal
 # checkpoints (model_type "gemma4") hold the text model under `model.language_model.`, the towers
@@ -256,49 +254,71 @@ def own_kv(x, w, s: LayerShape, eps: float, pos, trace=NO_TRACE, name: str = "at
     return k, v
 
 
-def gemma4_attention(x, w, s: LayerShape, n_heads: int, eps: float, pos, cache=None,
-                     shared=None, trace=NO_TRACE, name: str = "attn", scale: float = 1.0):
-    """x [B, T, D] -> (out [B, T, D], (k_all, v_all) [B, S, KV, hd]). pos: this layer
-    kind's `Positions` (cos, sin of its head_dim; its mask and window). A layer with its own
-    K, V writes them into its `KVCache` (cache) and returns what it read, for the layers that
-    share it; a shared layer (s.kv_source != its index) takes that pair as `shared`."""
-    B, T, D = x.shape
-    H, hd = n_heads, s.head_dim
-    q = trace.record(f"{name}.q_proj", "x @ W_q^T", F.linear(x, w.q_proj),
-                     B * T * D * H * hd)  # [B, T, H*hd]
-    q = trace.record(f"{name}.q", f"split into {H} heads",
-                     q.view(B, T, H, hd))  # [B, T, H, hd]
-    q = rms_norm(q, w.q_norm, eps, trace, f"{name}.q_norm")  # [B, T, H, hd]
-    q = apply_rope(q, pos.cos, pos.sin, trace, f"{name}.rope_q",
-                   f"freq ({s.kind})")  # [B, T, H, hd]
-    start = pos.start
-    if shared is not None:  # K, V as the source layer read them: nothing computed here
-        k_all, v_all = shared  # [B, S, KV, hd]
-        where = f"shared: layers.{s.kv_source}'s, read 0:{start + T}"
-    else:
-        k, v = own_kv(x, w, s, eps, pos, trace, name)  # [B, T, KV, hd]
-        if cache is not None:
-            k_all, v_all = cache.update(start, k, v)  # [B, S, KV, hd]
-            where = f"write {start}:{start + T}, read 0:{start + T}"
-        elif start == 0:
-            k_all, v_all, where = k, v, f"no cache: this pass's {T} positions"
+class Gemma4Attention(Attention):
+    """One Gemma 4 layer's attention, a part as `attention.Attention` is: its layer's own head
+    width and KV heads (`LayerShape`), q normed per head, K and V of its own (`own_kv`) or, on a
+    shared layer, those its source layer read in this pass (`pos.more["kv", source]`). The
+    family mixes in the scores times `attn_scale` (`Scaled`, 1: the norms set their size) and a
+    window on sliding layers (`Windowed`)."""
+
+    def __init__(self, config, layer: int = 0):
+        super().__init__(config, layer)
+        self.layer, self.shape = layer, config_layer_shapes(config)[layer]
+        self.head_dim, self.n_kv_heads = self.shape.head_dim, self.shape.n_kv_heads
+        self.eps, self.freq = config.norm_eps, f"freq ({self.shape.kind})"
+
+    def new_state(self, max_len: int, batch: int = 1, device="cpu", dtype=torch.float32):
+        """A layer that reads another's K, V keeps none."""
+        if self.shape.kv_source != self.layer:
+            return None
+        return super().new_state(max_len, batch, device, dtype)
+
+    def cache_values(self, context: int) -> int:
+        return 0 if self.shape.kv_source != self.layer else super().cache_values(context)
+
+    def __call__(self, x, w, pos, cache=None, trace=NO_TRACE, name="attn"):
+        """x [B, T, D] -> [B, T, D]; what it read of K and V is left in `pos.more` for the
+        layers that share them."""
+        B, T, D = x.shape
+        H, hd, s = self.n_heads, self.head_dim, self.shape
+        turn = pos.more["local"] if s.kind == "sliding" else pos  # its kind's RoPE tables
+        q = trace.record(f"{name}.q_proj", "x @ W_q^T", F.linear(x, w.q_proj),
+                         B * T * D * H * hd)  # [B, T, H*hd]
+        q = trace.record(f"{name}.q", f"split into {H} heads",
+                         q.view(B, T, H, hd))  # [B, T, H, hd]
+        q = rms_norm(q, w.q_norm, self.eps, trace, f"{name}.q_norm")  # [B, T, H, hd]
+        q = apply_rope(q, turn.cos, turn.sin, trace, f"{name}.rope_q",
+                       self.freq)  # [B, T, H, hd]
+        if s.kv_source != self.layer:  # K, V as the source layer read them
+            k, v = pos.more["kv", s.kv_source]  # [B, S, KV, hd]
+            where = f"shared: layers.{s.kv_source}'s, read 0:{pos.start + T}"
+            k = trace.record(f"{name}.kv_cache.k", f"K cache: {where}", k)
+            v = trace.record(f"{name}.kv_cache.v", f"V cache: {where}", v)
         else:
-            raise LlmTraceError(f"a pass starting at position {start} reads the earlier "
-                                f"ones from a KV cache: pass one KVCache per layer")
-    k_all = trace.record(f"{name}.kv_cache.k", f"K cache: {where}", k_all)
-    v_all = trace.record(f"{name}.kv_cache.v", f"V cache: {where}", v_all)
-    KV = k_all.shape[2]
-    k_exp = trace.record(f"{name}.k_expanded", f"GQA: {KV} -> {H} heads",
-                         repeat_kv(k_all.transpose(1, 2), H // KV))  # [B, H, S, hd]
-    v_exp = trace.record(f"{name}.v_expanded", f"GQA: {KV} -> {H} heads",
-                         repeat_kv(v_all.transpose(1, 2), H // KV))  # [B, H, S, hd]
-    out = attend(q.transpose(1, 2), k_exp, v_exp, pos.mask, trace, name, start,
-                 pos.window, scale)  # [B, H, T, hd]: scale 1, the norms set the size
-    out = trace.record(f"{name}.merged", "heads back side by side",
-                       out.transpose(1, 2).reshape(B, T, H * hd))  # [B, T, H*hd]
-    out = trace.record(f"{name}.out", "merged @ W_o^T", F.linear(out, w.o_proj),
-                       B * T * H * hd * D)  # [B, T, D]
-    return out, (k_all, v_all)
+            k, v = own_kv(x, w, s, self.eps, turn, trace, name)  # [B, T, KV, hd]
+            k, v = self.read_cache(k, v, pos.start, cache, trace, name)  # [B, S, KV, hd]
+        pos.more["kv", self.layer] = k, v
+        out = self.attend(q, k, v, w, pos, trace, name)  # [B, H, T, hd]
+        return self.output(out, w, trace, name)  # [B, T, D]
+
+
+class Gemma4Block(Block):
+    """Gemma 4's layer ends with what it adds after the MLP: its own per-layer input
+    (`ple_size`), gated in by the stream, then the whole times the layer's scalar. `block`:
+    the layer before that (a `gemma.SandwichBlock`)."""
+
+    def __init__(self, block: Block, layer: int, ple: bool, scalar: bool):
+        self.block, self.attn, self.mlp = block, block.attn, block.mlp
+        self.layer, self.ple, self.scalar, self.eps = layer, ple, scalar, block.eps
+
+    def __call__(self, x, w, pos, cache=None, trace=NO_TRACE, name="layers.0"):
+        x = self.block(x, w, pos, cache, trace, name)  # [B, T, D]
+        if self.ple:
+            ple = pos.more["ple"][:, :, self.layer]  # [B, T, P]
+            x = per_layer_residual(x, ple, w, self.eps, trace, name)  # [B, T, D]
+        if self.scalar:
+            x = layer_scaled(x, w.layer_scalar, trace, name)  # [B, T, D]
+        return x
 
 
 # --- per-layer inputs (PLE) ------------------------------------------------------------------
@@ -360,72 +380,6 @@ def softcap(logits, cap: float, trace=NO_TRACE, name: str = "lm_head.softcap") -
                         cap * torch.tanh(logits / cap))  # [B, T, V]
 
 
-# --- the MoE variant: experts beside the dense MLP -------------------------------------------
-@dataclass
-class MoeBranch:
-    """One layer's experts (enable_moe_block) and what surrounds them."""
-    experts: MoeWeights  # router [E, D] (router.proj), gate, up [E, F, D], down [E, D, F]
-    router_scale: torch.Tensor  # [D]   router.scale
-    expert_scale: torch.Tensor  # [E]   router.per_expert_scale
-    in_norm: torch.Tensor  # [D]        pre_feedforward_layernorm_2
-    out_norm: torch.Tensor  # [D]       post_feedforward_layernorm_2
-    dense_norm: torch.Tensor  # [D]     post_feedforward_layernorm_1 (the dense MLP's output)
-
-
-def hf_moe_branch(get, prefix: str) -> MoeBranch:
-    """A layer's MoeBranch from the names save_pretrained writes, prefix "model.layers.3":
-    experts.gate_up_proj [E, 2F, D] (gate rows first), experts.down_proj [E, D, F]."""
-    gate_up = get(f"{prefix}.experts.gate_up_proj")  # [E, 2F, D]
-    half = gate_up.shape[1] // 2
-    experts = MoeWeights(router=get(f"{prefix}.router.proj.weight"),
-                         gate=gate_up[:, :half], up=gate_up[:, half:],  # [E, F, D] each
-                         down=get(f"{prefix}.experts.down_proj"))  # [E, D, F]
-    return MoeBranch(experts, get(f"{prefix}.router.scale"),
-                     get(f"{prefix}.router.per_expert_scale"),
-                     get(f"{prefix}.pre_feedforward_layernorm_2.weight"),
-                     get(f"{prefix}.post_feedforward_layernorm_2.weight"),
-                     get(f"{prefix}.post_feedforward_layernorm_1.weight"))
-
-
-def gemma4_router(x, w: MoeBranch, k: int, eps: float, trace=NO_TRACE, name: str = "moe"):
-    """(ids, weights) [B, T, k] for x [B, T, D], the stream before the MLP's norm: x to RMS
-    1, times a learned scale and 1/sqrt(D), scored by each expert; softmax, the top k
-    renormalized (moe.py's `route`), then each weight times its expert's own scale."""
-    B, T, D = x.shape
-    E = w.experts.router.shape[0]
-    h = unit_rms_norm(x, eps, trace, f"{name}.router_norm")  # [B, T, D]
-    h = trace.record(f"{name}.router_in", f"router_norm * scale / sqrt({D})",
-                     h * w.router_scale * D**-0.5)  # [B, T, D]
-    logits = trace.record(f"{name}.router", "router_in @ W_router^T",
-                          F.linear(h, w.experts.router), B * T * D * E)  # [B, T, E]
-    ids, weights = route(logits, k, "softmax_topk", True, trace, name)  # [B, T, k] each
-    ids = trace.record(f"{name}.experts_chosen", "top-k of softmax: expert ids", ids)
-    weights = trace.record(f"{name}.expert_weights", "renormalized, times per_expert_scale",
-                           weights * w.expert_scale[ids])  # [B, T, k]
-    return ids, weights
-
-
-def moe_branch(x, dense, w: MoeBranch, k: int, eps: float, trace=NO_TRACE,
-               name: str = "layers.0") -> torch.Tensor:
-    """x [B, T, D] the stream after attention, dense [B, T, D] the dense MLP's output ->
-    their sum, each normalized: the experts run beside the MLP on the same stream, with
-    norms of their own, and the layer's post-MLP norm follows on the sum."""
-    B, T, D = x.shape
-    E, Fsz, _ = w.experts.gate.shape
-    dense = rms_norm(dense, w.dense_norm, eps, trace, f"{name}.mlp_dense_norm")  # [B, T, D]
-    ids, weights = gemma4_router(x, w, k, eps, trace, f"{name}.moe")  # [B, T, k] each
-    h = rms_norm(x, w.in_norm, eps, trace, f"{name}.moe.in_norm")  # [B, T, D]
-    out = trace.record(f"{name}.moe.expert_out", "the j-th chosen expert's GeGLU MLP",
-                       chosen_expert_outputs(h, w.experts, ids, "gelu_tanh"),
-                       B * T * k * 3 * D * Fsz)  # [B, T, k, D]
-    y = trace.record(f"{name}.moe.out", "sum_j expert_weights_j * expert_out_j",
-                     (weights[..., None] * out).sum(dim=2), B * T * k * D)  # [B, T, D]
-    y = rms_norm(y, w.out_norm, eps, trace, f"{name}.moe.out_norm")  # [B, T, D]
-    return trace.record(f"{name}.mlp_sum", "mlp_dense_norm + moe.out_norm",
-                        dense + y)  # [B, T, D]
-
-
-
 def params_of_shapes(shapes: list[LayerShape], D: int, H: int) -> int:
     """Attention and MLP parameters of the layers (no norms), from shapes alone."""
     total = 0
@@ -435,11 +389,3 @@ def params_of_shapes(shapes: list[LayerShape], D: int, H: int) -> int:
     return total
 
 
-__all__ = ["REFUSED", "LayerShape", "cache_shape", "config_layer_shapes", "MoeBranch",
-           "PleWeights", "gemma4_attention",
-           "gemma4_router", "hf_moe_branch", "kv_bytes_per_token", "kv_sources", "layer_kinds",
-           "layer_kv_values",
-           "layer_scaled", "layer_shapes", "moe_branch", "own_kv", "params_of_shapes",
-           "per_layer_inputs", "per_layer_residual", "proportional_cos_sin",
-           "proportional_frequencies", "refuse_unsupported", "rope_settings", "softcap",
-           "unit_rms_norm"]

@@ -1,0 +1,169 @@
+"""One step of Llama's attention (`attention.Attention`) changed, the way several families change
+it. Each class subclasses `Attention` and overrides the one step it changes, calling the rest
+as Llama computes them; a family's attention is Llama's with some of them mixed in
+(`families.part`): Qwen3's is `HeadNormed` on Llama's, gpt-oss's `Biased`, `OutBiased` and
+`Sinks`, and a `Windowed` one on its sliding layers.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import Attention, Positions
+from ..norm import rms_norm
+from ..trace import NO_TRACE
+
+
+class Biased(Attention):
+    """Qwen2, gpt-oss: a bias vector added to Q, K and V, each a record of its own."""
+
+    def qkv(self, x, w, trace, name):
+        q, k, v = super().qkv(x, w, trace, name)  # [B, T, H*hd], [B, T, KV*hd] x 2
+        q = trace.record(f"{name}.q_bias", "q_proj + b_q", q + w.q_bias)  # [B, T, H*hd]
+        k = trace.record(f"{name}.k_bias", "k_proj + b_k", k + w.k_bias)  # [B, T, KV*hd]
+        v = trace.record(f"{name}.v_bias", "v_proj + b_v", v + w.v_bias)  # [B, T, KV*hd]
+        return q, k, v
+
+
+class ProjNormed(Attention):
+    """OLMo 2: q and k to RMS 1 over all heads at once (a weight [H*hd], [KV*hd]), before the
+    heads are split."""
+
+    def __init__(self, config, layer: int = 0):
+        super().__init__(config, layer)
+        self.eps = config.norm_eps
+
+    def qkv(self, x, w, trace, name):
+        q, k, v = super().qkv(x, w, trace, name)  # [B, T, H*hd], [B, T, KV*hd] x 2
+        q = rms_norm(q, w.q_norm, self.eps, trace, f"{name}.q_norm")  # [B, T, H*hd]
+        k = rms_norm(k, w.k_norm, self.eps, trace, f"{name}.k_norm")  # [B, T, KV*hd]
+        return q, k, v
+
+
+class HeadNormed(Attention):
+    """Qwen3, Gemma 3: each head of q and k to RMS 1, times a weight [hd], before RoPE."""
+    norm = staticmethod(rms_norm)  # `gemma.OffsetNorm` makes it Gemma's (1 + weight)
+
+    def __init__(self, config, layer: int = 0):
+        super().__init__(config, layer)
+        self.eps = config.norm_eps
+
+    def heads(self, q, k, v, w, trace, name):
+        q, k, v = super().heads(q, k, v, w, trace, name)  # [B, T, H | KV, hd]
+        q = self.norm(q, w.q_norm, self.eps, trace, f"{name}.q_norm")  # [B, T, H, hd]
+        k = self.norm(k, w.k_norm, self.eps, trace, f"{name}.k_norm")  # [B, T, KV, hd]
+        return q, k, v
+
+
+class Scaled(Attention):
+    """Gemma: the scores times `attn_scale` (query_pre_attn_scalar^-0.5), not 1/sqrt(hd)."""
+
+    def __init__(self, config, layer: int = 0):
+        super().__init__(config, layer)
+        self.scale = config.attn_scale
+
+    def scores(self, q, k, trace, name):
+        (T, d), S = q.shape[-2:], k.shape[-2]
+        scores = q @ k.transpose(-2, -1) * self.scale  # [B, H, T, S]
+        lead = q.shape[:-2].numel()
+        return trace.record(f"{name}.scores", f"q @ k^T * {self.scale:.6g}", scores,
+                            lead * T * S * d)
+
+
+def window_mask(T: int, S: int, start: int, window: int, device=None) -> torch.Tensor:
+    """[T, S] additive mask of a sliding window (Mistral): -inf where key j lies `window` or
+    more positions behind query p = start + i, 0 elsewhere. Added to the causal mask, a query
+    sees keys p - window < j <= p: itself and the window - 1 before it, as HF's
+    `sliding_window_overlay` (kv_idx > q_idx - sliding_window). Positions are absolute, so
+    the same rule holds for a decode step reading a cache longer than the window."""
+    p = torch.arange(start, start + T, device=device)[:, None]  # [T, 1]
+    j = torch.arange(S, device=device)[None, :]  # [1, S]
+    return torch.zeros(T, S, device=device).masked_fill(j <= p - window, float("-inf"))
+
+
+class Windowed(Attention):
+    """Mistral (every layer), Gemma 3, OLMo 3, gpt-oss (their sliding layers): a query sees
+    only its last `sliding_window` keys."""
+
+    def __init__(self, config, layer: int = 0):
+        super().__init__(config, layer)
+        self.window = config.sliding_window
+
+    def masked(self, scores, pos: Positions, trace, name):
+        what = f"0 where key <= query position, -inf after ({pos.start} cached)"
+        mask = trace.record(f"{name}.causal_mask", what, pos.mask)  # [T, S]
+        key = ("window", self.window)  # one mask per width, shared by the pass's layers
+        if key not in pos.more:
+            T, S = pos.mask.shape
+            pos.more[key] = window_mask(T, S, pos.start, self.window, pos.mask.device)
+        mask = trace.record(f"{name}.window_mask",
+                            "causal_mask + -inf where key <= query - window",
+                            mask + pos.more[key])  # [T, S]
+        return trace.record(f"{name}.masked_scores", "scores + window_mask",
+                            scores + mask,  # [B, H, T, S]
+                            recompute=(torch.add, f"{name}.scores", f"{name}.window_mask"))
+
+
+def sink_softmax(scores, sinks, trace=NO_TRACE, name="attn"):
+    """scores [B, H, T, S] (masked), sinks [H] -> weights [B, H, T, S] whose rows
+    sum below 1: each head's sink logit joins every query row as one more column,
+    the softmax runs over S + 1 columns, and the sink's column is dropped, so the
+    attention it drew goes nowhere. As HF's gpt-oss `eager_attention_forward`: the
+    mask is added before the sink joins (the sink is never masked); HF subtracts
+    each row's max first, which softmax does itself."""
+    B, H, T, S = scores.shape
+    sink = sinks.to(scores.dtype).reshape(1, H, 1, 1).expand(B, H, T, 1)  # [B,H,T,1]
+    what = "masked_scores beside each head's sink logit (column S)"
+    both = trace.record(f"{name}.scores_with_sink", what,
+                        torch.cat([scores, sink], dim=-1))  # [B, H, T, S+1]
+    both = trace.record(f"{name}.weights_with_sink", "softmax over keys and the sink",
+                        F.softmax(both, dim=-1))  # [B, H, T, S+1]
+    return trace.record(f"{name}.weights", "sink column dropped (rows sum below 1)",
+                        both[..., :S])  # [B, H, T, S]
+
+
+class Sinks(Attention):
+    """gpt-oss: a learned logit per head (`w.sinks` [H]), one more key in every row."""
+
+    def softmax(self, scores, w, trace, name):
+        return sink_softmax(scores, w.sinks, trace, name)  # [B, H, T, S]
+
+
+class OutBiased(Attention):
+    """gpt-oss: a bias on the output projection (`w.o_bias` [D])."""
+
+    def output(self, out, w, trace, name):
+        B, H, T, hd = out.shape
+
+        def merge(o):  # [B, H, T, hd] -> [B, T, H*hd]
+            return o.transpose(1, 2).reshape(B, T, H * hd)
+
+        out = trace.record(f"{name}.merged", "heads back side by side", merge(out),
+                           recompute=(merge, f"{name}.weighted_sum"))  # [B, T, H*hd]
+        D = w.o_proj.shape[0]
+        return trace.record(f"{name}.out", "merged @ W_o^T",
+                            F.linear(out, w.o_proj, w.o_bias), B * T * H * hd * D)  # [B, T, D]
+
+
+class Unturned(Attention):
+    """SmolLM3's NoPE layers: no RoPE, q and k as projected; the same records, said so."""
+
+    def rotate(self, q, k, pos: Positions, trace, name):
+        q = trace.record(f"{name}.rope_q", "no RoPE on this layer: q unturned",
+                         q)  # [B, T, H, hd]
+        k = trace.record(f"{name}.rope_k", "no RoPE on this layer: k unturned",
+                         k)  # [B, T, KV, hd]
+        return q, k
+
+
+class OwnBase(Attention):
+    """Gemma 3, OLMo 3: sliding and full layers turn at RoPE bases of their own; each says
+    its base, and a sliding layer turns by its kind's tables (`pos.more["local"]`)."""
+
+    def __init__(self, config, layer: int = 0):
+        super().__init__(config, layer)
+        self.local = config.layer_types[layer] == "sliding"
+        theta = config.rope_local_theta if self.local else config.rope_theta
+        self.freq += f" (base {theta:g})"
+
+    def rotate(self, q, k, pos: Positions, trace, name):
+        return super().rotate(q, k, pos.more["local"] if self.local else pos, trace, name)
