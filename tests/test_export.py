@@ -379,7 +379,8 @@ def test_each_node_names_its_source_from_the_package(web_dir):
     assert not any('File "/' in t for t in traces)
     softmax = next(n for n in graph.node if n.op_type == "Softmax")
     where = next(p.value for p in softmax.metadata_props if p.key == "pkg.torch.onnx.stack_trace")
-    assert where.startswith('File "llmtrace/export.py"') and 'File "llmtrace/model.py"' in where
+    assert where.startswith('File "llmtrace/export/graph.py"')
+    assert 'File "llmtrace/model.py"' in where
 
 
 def test_another_llama_exports_too(tiny, tmp_path):

@@ -44,7 +44,7 @@ def cache(tmp_path, monkeypatch):
     """$LLMTRACE_CACHE in tmp_path, holding the stand-in export under the key the command
     looks for. -> the export's directory."""
     monkeypatch.setenv("LLMTRACE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(export, "cache_key", lambda: KEY)
+    monkeypatch.setattr(export.cache, "cache_key", lambda: KEY)  # the name web_dir reads
     return stand_in(tmp_path / "cache" / "web" / KEY)
 
 
@@ -136,8 +136,8 @@ def test_a_failure_half_way_leaves_nothing(cache, tmp_path, monkeypatch, capsys)
             raise OSError(errno.ENOSPC, "No space left on device")
         done.append(dst)
         copy(src, dst)
-    monkeypatch.setattr(export.os, "link", full)
-    monkeypatch.setattr(export.shutil, "copyfile", full)
+    monkeypatch.setattr(export.cache.os, "link", full)
+    monkeypatch.setattr(export.cache.shutil, "copyfile", full)
     refused(*command(capsys, "--out", str(tmp_path / "site" / "_static" / "web")),
             "is full: free some space")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
