@@ -14,6 +14,8 @@ from . import families  # noqa: E402, F401  (each family's Model subclass regist
 from .load import load_model
 from .sampling import sample
 from .trace import Patched, Trace
+from . import families  # noqa: F401  (registers Config.from_hf, Config.to_hf)
+from .weights import gguf  # noqa: F401  (registers Config.from_gguf)
 
 __all__ = ["Config", "LlmTraceError", "Tracing", "generate", "logit_lens", "meta_model",
            "trace_shapes", "load_model", "sample", "Patched", "Trace"]

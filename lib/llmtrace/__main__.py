@@ -13,7 +13,7 @@ import sys
 import torch
 
 from . import __version__
-from .config import PRESETS
+from .presets import PRESETS
 from .errors import LlmTraceError
 
 

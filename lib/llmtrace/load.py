@@ -112,7 +112,7 @@ def resolve(name: str | None = None) -> str:
 
 def check_name(choice: str) -> None:
     """A model name must be one of CHOICES or an existing path; say so before anything loads."""
-    from .config import ALIASES, PRESETS
+    from .presets import ALIASES, PRESETS
 
     exists = Path(choice).expanduser().exists()
     if choice not in CHOICES and not exists and choice.lower() in {*PRESETS, *ALIASES}:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..config import FIELD_DEFAULTS, Config, config_problems
+from ..config import FIELD_DEFAULTS, FORMATS, Config, config_problems
 from ..errors import LlmTraceError
 from ._read import HFKeys, common_fields, llama_hf, plain_rope, read_hf_config, rope_kind
 
@@ -164,6 +164,9 @@ def write_hf(c: Config) -> dict:
     family = REGISTRY[c.family]
     check_switches(c, family)
     return family.write(c, {"architectures": [family.model_class], **llama_hf(c)})
+
+
+FORMATS.update(from_hf=read_hf, to_hf=write_hf)  # what Config.from_hf and Config.to_hf call
 
 
 def listed(labels) -> str:

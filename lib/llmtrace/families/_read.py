@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..config import LLAMA3_KEYS, Config
 from ..errors import LlmTraceError
-from ..mechanisms.yarn import yarn_checked
+from ..config_checks import yarn_checked
 
 KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false"}
 # The keys whose null HF reads as "none" (no BOS, no end id, no pad, no window, no soft cap) or

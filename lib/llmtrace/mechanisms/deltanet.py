@@ -31,46 +31,13 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import Attention, repeat_kv
+from ..config_checks import DeltaNetDims  # noqa: F401  (its sizes, which a config checks)
 from ..errors import LlmTraceError
 from ..norm import rms_norm
 from ..rope import apply_rope
 from ..trace import NO_TRACE
 
 MODES = ("chunked", "recurrent")
-
-
-@dataclass(frozen=True)
-class DeltaNetDims:
-    """A DeltaNet layer's sizes (HF's config keys beside each)."""
-    n_k_heads: int  # linear_num_key_heads
-    n_v_heads: int  # linear_num_value_heads
-    k_head_dim: int  # linear_key_head_dim
-    v_head_dim: int  # linear_value_head_dim
-    conv_kernel: int  # linear_conv_kernel_dim
-    norm_eps: float = 1e-6  # rms_norm_eps, for the gated RMSNorm
-
-    @property
-    def key_dim(self) -> int:  # Hk * dk: q and k each
-        return self.n_k_heads * self.k_head_dim
-
-    @property
-    def value_dim(self) -> int:  # Hv * dv: v and z each
-        return self.n_v_heads * self.v_head_dim
-
-    @property
-    def conv_dim(self) -> int:  # C: q, k and v convolved side by side
-        return 2 * self.key_dim + self.value_dim
-
-    def check(self) -> "DeltaNetDims":
-        if self.n_v_heads % self.n_k_heads:
-            raise LlmTraceError(
-                f"linear_num_value_heads ({self.n_v_heads}) must be a multiple of "
-                f"linear_num_key_heads ({self.n_k_heads}): each key head serves a "
-                f"whole group of value heads")
-        if self.conv_kernel < 2:
-            raise LlmTraceError(f"linear_conv_kernel_dim must be 2 or more, "
-                                f"got {self.conv_kernel}")
-        return self
 
 
 @dataclass

@@ -37,11 +37,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..config_checks import ROUTERS  # config.py checks moe_router against them
 from ..errors import LlmTraceError
 from ..mlp import swiglu
 from ..trace import NO_TRACE
 
-ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group")
 ACTS = ("silu", "gpt_oss", "gelu_tanh")
 
 

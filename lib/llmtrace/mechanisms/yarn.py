@@ -7,39 +7,7 @@ import math
 
 import torch
 
-from ..errors import LlmTraceError
-
-# The keys of a YaRN rope_scaling that are computed here; HF's `partial_rotary_factor` (RoPE on
-# part of each head) is not, and is refused by name.
-YARN_KEYS = ("attention_factor", "beta_fast", "beta_slow", "factor", "mscale", "mscale_all_dim",
-             "original_max_position_embeddings", "rope_theta", "rope_type", "truncate")
-
-
-def yarn_checked(s: dict, theta: float | None = None) -> dict:
-    """s, a YaRN rope_scaling, or a one-line error naming the key not computed here."""
-    for key in s:
-        if key not in YARN_KEYS:
-            raise LlmTraceError(f"rope_scaling {key}={s[key]!r} is not computed for YaRN "
-                                f"(known: {', '.join(YARN_KEYS)}): remove it")
-    for key in ("factor", "original_max_position_embeddings"):
-        if not s.get(key):
-            raise LlmTraceError(f"rope_scaling of type 'yarn' needs a positive {key}, "
-                                f"got {s.get(key)!r}: write it in the config")
-    for key in ("attention_factor", "beta_fast", "beta_slow", "factor", "mscale",
-                "mscale_all_dim", "original_max_position_embeddings"):
-        v = s.get(key)
-        least = 0 if key.startswith("mscale") else 1e-300  # mscale 0: not used, as in HF
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                              or v < least):
-            raise LlmTraceError(f"rope_scaling {key}={v!r} must be a "
-                                f"{'number' if least == 0 else 'positive number'}")
-    if "truncate" in s and not isinstance(s["truncate"], bool):
-        raise LlmTraceError(f"rope_scaling truncate={s['truncate']!r} must be true or false")
-    if theta is not None and s.get("rope_theta", theta) != theta:
-        raise LlmTraceError(f"rope_scaling rope_theta={s['rope_theta']!r} differs from the "
-                            f"RoPE base {theta!r}: write one base")
-    return s
-
+from ..config_checks import yarn_checked
 
 def yarn_frequencies(head_dim: int, theta: float, s: dict, device=None) -> torch.Tensor:
     """YaRN (gpt-oss): pairs that turn more than beta_fast times over the original context

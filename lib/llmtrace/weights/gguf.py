@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import FIELD_DEFAULTS, Config, config_problems
+from ..config import FIELD_DEFAULTS, FORMATS, Config, config_problems
 from ..errors import LlmTraceError, first_line
 from ..families import COMPUTED
 from ..rope import adjacent_to_half_split
@@ -123,6 +123,9 @@ def config_fields(fields: dict, name: str, where: str) -> dict:
     if problems:
         raise LlmTraceError(f"{where}: " + "; ".join(problems))
     return values
+
+
+FORMATS["from_gguf"] = config_fields  # what Config.from_gguf calls
 
 
 def embedded_gguf_path() -> Path:
