@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmtrace import Config, LlmTraceError, load_model
-from llmtrace.mla import MlaWeights
+from llmtrace.mechanisms.mla import MlaWeights
 from llmtrace.weights.names import LAYER_TENSORS, MLA_TENSORS, MODEL_TENSORS, expected_shapes
 from llmtrace.model import LayerWeights, Weights, state_dict_from_weights
 from llmtrace.weights.gguf import embedded_gguf_path, load_gguf

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from llmtrace import Config, LlmTraceError, load_model, meta_model
 from llmtrace.cost import cache_bytes, parameter_count
-from llmtrace.mla import LatentCache, cache_bytes_per_token
+from llmtrace.mechanisms.mla import LatentCache, cache_bytes_per_token
 from llmtrace.model import Model
 from tiny_checkpoint import ROWS, make_tiny_checkpoint
 

@@ -23,16 +23,16 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (Qwen3NextAttenti
                                                                 Qwen3NextRotaryEmbedding,
                                                                 Qwen3NextSparseMoeBlock)
 
-from llmtrace import deltanet
+from llmtrace.mechanisms import deltanet
 from llmtrace.attention import Positions, attention, causal_mask
 from llmtrace.config import Config
-from llmtrace.deltanet import (DeltaNetDims, DeltaNetState, DeltaNetWeights,
+from llmtrace.mechanisms.deltanet import (DeltaNetDims, DeltaNetState, DeltaNetWeights,
                                chunked_delta_rule, delta_rule_step, gated_deltanet,
                                hf_deltanet_weights, recurrent_delta_rule, state_bytes)
 from llmtrace.errors import LlmTraceError
 from llmtrace.kv_cache import KVCache, bytes_per_token
 from llmtrace.mlp import swiglu
-from llmtrace.moe import MoeWeights, moe_mlp
+from llmtrace.mechanisms.moe import MoeWeights, moe_mlp
 from llmtrace.rope import apply_rope, rope_cos_sin
 from llmtrace.trace import Patched, Trace
 

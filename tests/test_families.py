@@ -14,7 +14,7 @@ import transformers
 
 from llmtrace import Config, LlmTraceError, generate, load_model, meta_model
 from llmtrace.attention import causal_mask, window_mask
-from llmtrace.gemma4 import proportional_frequencies
+from llmtrace.mechanisms.gemma4 import proportional_frequencies
 from llmtrace.lens import keeps_stream, lens_grid, logit_lens
 from llmtrace.model import Model, estimate_trace_bytes, trace_bytes
 from llmtrace.rope import rope_frequencies

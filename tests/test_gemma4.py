@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
-from llmtrace import gemma4
+from llmtrace.mechanisms import gemma4
 from llmtrace.attention import Positions, causal_mask, window_mask
 from llmtrace.embed import embed
 from llmtrace.errors import LlmTraceError
-from llmtrace.gemma4 import (PleWeights, gemma4_attention, gemma4_router, hf_moe_branch,
+from llmtrace.mechanisms.gemma4 import (PleWeights, gemma4_attention, gemma4_router, hf_moe_branch,
                              kv_bytes_per_token, kv_sources, layer_scaled, layer_shapes,
                              moe_branch, params_of_shapes,
                              per_layer_inputs, per_layer_residual, proportional_cos_sin,

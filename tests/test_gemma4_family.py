@@ -9,7 +9,7 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from llmtrace import Config, LlmTraceError, load_model, meta_model
 from llmtrace.cost import parameter_count
-from llmtrace.gemma4 import (cache_shape, config_layer_shapes, kv_bytes_per_token,
+from llmtrace.mechanisms.gemma4 import (cache_shape, config_layer_shapes, kv_bytes_per_token,
                              layer_kv_values)
 from llmtrace.model import trace_shapes
 from tiny_checkpoint import hf_config, make_tiny_checkpoint

@@ -19,11 +19,11 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Atte
                                                                   DeepseekV3MoE,
                                                                   DeepseekV3RotaryEmbedding)
 
-from llmtrace import mla
-from llmtrace.moe import MlpWeights, MoeWeights, hf_moe_weights, moe_mlp, moe_params
+from llmtrace.mechanisms import mla
+from llmtrace.mechanisms.moe import MlpWeights, MoeWeights, hf_moe_weights, moe_mlp, moe_params
 from llmtrace.attention import Positions, causal_mask
 from llmtrace.errors import LlmTraceError
-from llmtrace.mla import (LatentCache, MlaDims, MlaWeights, cache_bytes_per_token,
+from llmtrace.mechanisms.mla import (LatentCache, MlaDims, MlaWeights, cache_bytes_per_token,
                           hf_mla_weights, mla_attention, mla_params, mla_softmax_scale)
 from llmtrace.rope import rope_cos_sin
 from llmtrace.trace import Trace

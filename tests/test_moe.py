@@ -11,9 +11,9 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from llmtrace import moe
+from llmtrace.mechanisms import moe
 from llmtrace.errors import LlmTraceError
-from llmtrace.moe import MoeWeights, hf_moe_weights, moe_mlp, moe_params
+from llmtrace.mechanisms.moe import MoeWeights, hf_moe_weights, moe_mlp, moe_params
 from llmtrace.trace import Patched, Trace
 
 TOL = 1e-5

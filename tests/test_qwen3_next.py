@@ -12,7 +12,7 @@ import transformers
 from llmtrace import Config, LlmTraceError, generate, load_model, trace_shapes
 from llmtrace import cost
 from llmtrace.cost import parameter_count
-from llmtrace.deltanet import DeltaNetState
+from llmtrace.mechanisms.deltanet import DeltaNetState
 from llmtrace.kv_cache import KVCache
 from llmtrace.model import Model
 from tiny_checkpoint import ROWS, make_tiny_checkpoint

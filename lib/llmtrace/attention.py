@@ -78,8 +78,9 @@ class Attention:
         """What the layer keeps between steps: K and V of every position so far."""
         return KVCache(max_len, self.n_kv_heads, self.head_dim, batch, device, dtype)
 
-    def cache_values(self, context: int) -> int:
-        """The numbers that state holds after `context` positions."""
+    def cache_values(self, context: int, capped: bool = True) -> int:
+        """The numbers that state holds after `context` positions (capped: counting only the
+        keys a query can still see, what an inference cache keeps; all of them, here)."""
         return context * 2 * self.n_kv_heads * self.head_dim
 
     def __call__(self, x, w, pos: Positions, cache=None, trace=NO_TRACE, name="attn"):

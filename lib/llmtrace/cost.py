@@ -8,13 +8,13 @@ they are not `nn.Linear` layers. Element-wise ops (norms, RoPE, SiLU, softmax) a
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
 
 from .config import Config
-from .mechanisms.deltanet import state_bytes
-from .mechanisms.gemma4 import cache_shape
+from .model import meta_model
 from .weights.names import LAYER_TENSORS, MODEL_TENSORS, layers_holding, tensor_shapes
 
 
@@ -169,21 +169,16 @@ def decode_bytes(c: Config, context: int, batch: int = 1,
 
 
 def layer_cache_values(c: Config, layer: int, context: int, capped: bool = True) -> int:
-    """The numbers one layer's cache must hold after `context` positions, per sequence: one
-    branch per kind of layer, so that a new kind of cache is one more branch."""
-    if c.is_linear(layer):  # Gated DeltaNet (Qwen3-Next): its state, the same at any context
-        return state_bytes(c.deltanet_dims, bytes_per_value=1)
-    if c.kv_lora_rank:  # latent attention: the latent and the rotated key part (mla.py)
-        return context * (c.kv_lora_rank + c.head_dim)
-    kv, hd = c.n_kv_heads, c.head_dim
-    if c.varied_layers:  # Gemma 4: each layer's own width; one reading another's K, V: none
-        shape = cache_shape(c, layer)
-        if shape is None:
-            return 0
-        kv, hd = shape
-    if capped and c.is_sliding(layer):  # a query sees only the last sliding_window keys
-        context = min(context, c.sliding_window)
-    return context * 2 * kv * hd  # K and V of every KV head
+    """The numbers one layer's cache must hold after `context` positions, per sequence, as
+    the layer's attention part counts them (`cache_values`: K and V, a latent, a DeltaNet
+    state; a sliding layer capped at its window)."""
+    return layer_parts(c)[layer].attn.cache_values(context, capped)
+
+
+@functools.lru_cache(maxsize=64)
+def layer_parts(c: Config) -> list:
+    """Each layer's `Block` of the config's model, from a model on the meta device."""
+    return meta_model(c).blocks
 
 
 def cache_bytes(c: Config, context: int, bytes_per_value: int = 2, batch: int = 1,

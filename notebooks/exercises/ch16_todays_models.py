@@ -9,7 +9,7 @@ import torch
 from llmtrace.attention import repeat_kv
 from llmtrace.config import Config
 from llmtrace.model import Model, Weights, weights_from_state_dict
-from llmtrace.moe import MoeWeights
+from llmtrace.mechanisms.moe import MoeWeights
 from llmtrace.trace import Trace
 from llmtrace.weights.names import expected_shapes
 
@@ -200,7 +200,7 @@ def _(model) -> Case:
     pieces (mla.py): the cached latents it records, its kv_b_proj weight, and the keys and
     values it rebuilt from them."""
     from llmtrace.attention import Positions
-    from llmtrace.mla import MlaDims, MlaWeights, mla_attention
+    from llmtrace.mechanisms.mla import MlaDims, MlaWeights, mla_attention
 
     D = model.config.hidden_size
     H, R, dn, dr, dv = 4, 16, 8, 4, 6

@@ -88,6 +88,10 @@ class Windowed(Attention):
         super().__init__(config, layer)
         self.window = config.sliding_window
 
+    def cache_values(self, context: int, capped: bool = True) -> int:
+        """capped: only the last `sliding_window` positions, what an inference cache keeps."""
+        return super().cache_values(min(context, self.window) if capped else context, capped)
+
     def masked(self, scores, pos: Positions, trace, name):
         what = f"0 where key <= query position, -inf after ({pos.start} cached)"
         mask = trace.record(f"{name}.causal_mask", what, pos.mask)  # [T, S]

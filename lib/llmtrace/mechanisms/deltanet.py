@@ -322,7 +322,8 @@ class GatedDeltaNet:
                   dtype=torch.float32) -> DeltaNetState:
         return DeltaNetState(self.dims, batch, device, dtype)
 
-    def cache_values(self, context: int) -> int:
+    def cache_values(self, context: int, capped: bool = True) -> int:
+        """Its state, the same at any context."""
         return state_bytes(self.dims, bytes_per_value=1)
 
     def __call__(self, x, w, pos, cache=None, trace=NO_TRACE, name="attn"):

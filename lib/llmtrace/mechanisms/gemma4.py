@@ -273,8 +273,10 @@ class Gemma4Attention(Attention):
             return None
         return super().new_state(max_len, batch, device, dtype)
 
-    def cache_values(self, context: int) -> int:
-        return 0 if self.shape.kv_source != self.layer else super().cache_values(context)
+    def cache_values(self, context: int, capped: bool = True) -> int:
+        if self.shape.kv_source != self.layer:
+            return 0
+        return super().cache_values(context, capped)
 
     def __call__(self, x, w, pos, cache=None, trace=NO_TRACE, name="attn"):
         """x [B, T, D] -> [B, T, D]; what it read of K and V is left in `pos.more` for the

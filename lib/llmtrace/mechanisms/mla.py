@@ -252,7 +252,7 @@ class LatentAttention(Scaled):
         d = self.dims
         return LatentCache(max_len, d.kv_lora_rank, d.qk_rope_head_dim, batch, device, dtype)
 
-    def cache_values(self, context: int) -> int:
+    def cache_values(self, context: int, capped: bool = True) -> int:
         return context * (self.dims.kv_lora_rank + self.dims.qk_rope_head_dim)
 
     def __call__(self, x, w, pos: Positions, cache: LatentCache | None = None,
