@@ -17,11 +17,15 @@ from llmtrace.cost import parameter_count
 PUBLISHED = {"llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248,
              "qwen3-0.6b": 596_049_920, "mistral-7b-v0.1": 7_241_732_096, "olmo-2-1b": 1.48,
              "mixtral-8x7b": 46.7, "qwen3-30b-a3b": 30.5,
-             "olmo-3-7b": 7.3, "smollm3-3b": 3.08}  # SmolLM3-3B's card: 3.08B; OLMo 3's
+             "olmo-3-7b": 7.3, "smollm3-3b": 3.08,
+             "olmoe-1b-7b": 6.9}  # SmolLM3-3B's card: 3.08B; OLMoE's: 6.9B; OLMo 3's
 # only says "7B" (7B and 32B scales): 7.30B is its HF class's count, to two digits
 FAMILY = {"llama-3.2-1b": "llama", "llama-3.1-8b": "llama", "qwen3-0.6b": "qwen3",
           "mistral-7b-v0.1": "mistral", "olmo-2-1b": "olmo2", "mixtral-8x7b": "mixtral",
-          "qwen3-30b-a3b": "qwen3_moe", "olmo-3-7b": "olmo3", "smollm3-3b": "smollm3"}
+          "qwen3-30b-a3b": "qwen3_moe", "olmo-3-7b": "olmo3", "smollm3-3b": "smollm3",
+          "olmoe-1b-7b": "olmoe"}
+# active parameters per token, as published (OLMoE's card: 1.3B of 6.9B)
+ACTIVE = {"olmoe-1b-7b": 1.3}
 
 
 def hf_meta_count(c: Config) -> int:
@@ -51,6 +55,21 @@ def test_parameter_count(name):
     digits = len(str(published).split(".")[1]) if isinstance(published, float) else 0
     assert (round(parameter_count(c) / 1e9, digits) if isinstance(published, float)
             else parameter_count(c)) == published
+
+
+@pytest.mark.parametrize("name", ACTIVE)
+def test_active_parameter_count(name):
+    """What one token reads: the router and k of the E experts, counted on HF's class on the
+    meta device (its experts' tensors, at k / E), and as published."""
+    c = Config.from_name(name)
+    settings = c.to_hf()
+    hf_config = transformers.AutoConfig.for_model(settings.pop("model_type"), **settings)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    hf_active = hf_meta_count(c) - experts + experts * c.n_experts_active // c.n_experts
+    assert parameter_count(c, active=True) == hf_active
+    assert round(hf_active / 1e9, 1) == ACTIVE[name]
 
 
 @pytest.mark.parametrize("name", PUBLISHED)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .config import Config
 from .model import meta_model
-from .weights.names import LAYER_TENSORS, MODEL_TENSORS, layers_holding, tensor_shapes
+from .weights.names import MODEL_TENSORS, layers_holding, tensor_shapes
 
 
 @dataclass
@@ -38,42 +38,29 @@ class ParamRow:
 
 
 def parameter_table(c: Config) -> list[ParamRow]:
-    """One row per component, in model order; a tied LM head has no row of its own."""
-    if c.v_norm or c.k_eq_v or c.kv_shared_layers or c.global_head_dim:  # Gemma 4
-        return varied_parameter_table(c)
+    """One row per component and shape, in model order; a tied LM head has no row of its own."""
     rows = []
-    for field, shape in tensor_shapes(c).items():
+    for field in tensor_shapes(c):
         if field in BUFFERS:
             continue
-        per_layer = field not in MODEL_TENSORS
         component = "embedding" if field == "embed" else field
-        copies = layers_holding(c, field)  # 1 outside the layers
-        rows.append(ParamRow(component, shape, math.prod(shape), copies, per_layer,
-                             active_of(c, field, shape)))
+        for shape, copies in shapes_held(c, field).items():
+            rows.append(ParamRow(component, shape, math.prod(shape), copies,
+                                 field not in MODEL_TENSORS, active_of(c, field, shape)))
     return rows
 
 
-def varied_parameter_table(c: Config) -> list[ParamRow]:
-    """`parameter_table` when layers differ in shape (Gemma 4): a layer tensor has one row per
-    shape the layers give it, with the layers of that shape as its copies."""
-    rows = []
-    for field, shape in tensor_shapes(c).items():
-        if field not in LAYER_TENSORS:
-            component = "embedding" if field == "embed" else field
-            rows.append(ParamRow(component, shape, math.prod(shape), 1, False))
-    fields = [f for f in LAYER_TENSORS if any(f in tensor_shapes(c, i)
-                                              for i in range(c.n_layers))]
-    return rows + [r for f in fields for r in layer_rows(c, f)]
-
-
-def layer_rows(c: Config, field: str) -> list[ParamRow]:
-    """A layer tensor's rows when layers differ (Gemma 4): one per shape, copies counted."""
+def shapes_held(c: Config, field: str) -> dict[tuple, int]:
+    """Each shape of `field` the model holds, and how many copies: one shape in the layers
+    that hold it (1 outside the layers), or one per shape where layers differ in shape."""
+    if field in MODEL_TENSORS or not c.varied_layers:
+        return {tensor_shapes(c)[field]: layers_holding(c, field)}
     counts: dict[tuple, int] = {}
     for i in range(c.n_layers):
         shape = tensor_shapes(c, i).get(field)
         if shape is not None:
             counts[shape] = counts.get(shape, 0) + 1
-    return [ParamRow(field, shape, math.prod(shape), n, True) for shape, n in counts.items()]
+    return counts
 
 
 # tensors a checkpoint holds that are no parameters: DeepSeek-V3's router bias is set by a rule

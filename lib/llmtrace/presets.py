@@ -90,6 +90,15 @@ PRESETS: dict[str, dict] = {
                           rope_theta=1_000_000.0, norm_eps=1e-6, bos_id=151643, eos_id=151645,
                           head_dim=128, family="qwen3_moe", qk_norm=True, n_experts=128,
                           n_experts_active=8, moe_ffn_size=768, moe_renormalize=True),
+    # allenai/OLMoE-1B-7B-0924 config.json: 64 experts of width 1024 in every layer, 8 chosen,
+    # norm_topk_prob false; QK-norm over the whole projection; no BOS, <|endoftext|> 50279 ends.
+    # HF's class on the meta device: 6,919,161,856 parameters, 1,282,017,280 active per token
+    # (the model card: 6.9B total, 1.3B active)
+    "olmoe-1b-7b": dict(vocab_size=50304, hidden_size=2048, n_layers=16, n_heads=16,
+                        n_kv_heads=16, ffn_size=1024, max_positions=4096, bos_id=None,
+                        eos_id=50279, pad_id=1, family="olmoe", qk_proj_norm=True,
+                        n_experts=64, n_experts_active=8, moe_ffn_size=1024,
+                        moe_renormalize=False),
     # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (its model card: 48 layers as 12 x (3 Gated
     # DeltaNet, 1 gated attention), 16 Q / 2 KV heads of 256 with RoPE on 64 dims, DeltaNet 16 QK /
     # 32 V heads of 128, 512 experts of width 512 with 10 routed + 1 shared; rope_theta 1e7,

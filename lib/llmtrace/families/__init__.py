@@ -55,7 +55,7 @@ class Family:
 
 from . import gemma3, gemma4, llama, mistral, olmo2, olmo3  # noqa: E402  (they import Family)
 from . import qwen2, qwen3, smollm3  # noqa: E402
-from . import mixtral, qwen3_moe  # noqa: E402  (mixtures of experts)
+from . import mixtral, olmoe, qwen3_moe  # noqa: E402  (mixtures of experts)
 from . import deepseek_v2, deepseek_v3  # noqa: E402  (latent attention)
 from . import gpt_oss  # noqa: E402  (sinks, experts with biases)
 from . import qwen3_5_text, qwen3_next  # noqa: E402  (Gated DeltaNet layers)
@@ -78,6 +78,7 @@ REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     gpt_oss.FAMILY,
     qwen3_next.FAMILY,
     qwen3_5_text.FAMILY,
+    olmoe.FAMILY,
 )}
 # the fields of Config that only some families set; a family sets each to its default, to the
 # value in its `switches`, or (in `varies`) to what its config.json says
@@ -94,7 +95,7 @@ SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "norm_offse
 COMPUTED = ("llmtrace computes Llama-family models "
             f"({', '.join(f.label for f in REGISTRY.values())})")
 # model_types refused by name, for what they compute instead of a Llama block
-MOE = ("qwen2_moe", "olmoe", "dbrx", "granitemoe", "phimoe", "jamba", "llama4")
+MOE = ("qwen2_moe", "dbrx", "granitemoe", "phimoe", "jamba", "llama4")
 # the families whose experts are computed (moe.py): their config.json's experts are read
 WITH_EXPERTS = tuple(f.model_type for f in REGISTRY.values() if "n_experts" in f.varies)
 MLA = ("kimi_k2",)

@@ -311,6 +311,7 @@ HF_EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
     "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "qwen3_next": ("mlp", "gate_proj", "up_proj", "down_proj"),  # and a gated shared expert
+    "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj"),
 }  # DeepSeek-V2/V3: Qwen3-MoE's names and shared experts (hf_deepseek_moe_weights)
 
 
