@@ -131,9 +131,16 @@ def no_rope_problems(v: dict, key=str) -> list[str]:
     return [wrong] if wrong else []
 
 
+# the families whose models turn by YaRN's tables (`mechanisms.yarn`, read by families/_parts.py)
+YARN_FAMILIES = ("deepseek_v3", "deepseek_v2", "gpt_oss")
+
+
 def rope_scaling_problems(v: dict, key=str) -> list[str]:
     """RoPE's stretch for long contexts: Llama 3's, or YaRN's (DeepSeek-V3, gpt-oss)."""
     scaling = dict(v["rope_scaling"])
+    if scaling.get("rope_type") == "yarn" and v["family"] not in YARN_FAMILIES:
+        return [f"{key('rope_scaling')} of type 'yarn' with family {v['family']!r}: YaRN is "
+                f"computed for {', '.join(YARN_FAMILIES)} (their models' RoPE tables)"]
     if scaling.get("rope_type") == "yarn":  # YaRN: `yarn_checked` checks its keys
         return yarn_problems(scaling, key)
     if scaling and (scaling.get("rope_type") != "llama3" or set(LLAMA3_KEYS) - set(scaling)):

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..config import FIELD_DEFAULTS, FORMATS, Config, config_problems
+from ..config_checks import YARN_FAMILIES
 from ..errors import LlmTraceError
 from ._read import HFKeys, common_fields, llama_hf, plain_rope, read_hf_config, rope_kind
 
@@ -100,7 +101,7 @@ MOE = ("qwen2_moe", "dbrx", "granitemoe", "phimoe", "jamba", "llama4")
 WITH_EXPERTS = tuple(f.model_type for f in REGISTRY.values() if "n_experts" in f.varies)
 MLA = ("kimi_k2",)
 # the families whose YaRN is computed and checked against their HF class (rope.py)
-YARN = ("deepseek_v3", "deepseek_v2", "gpt_oss")
+YARN = YARN_FAMILIES
 # the families whose latent attention is computed (mla.py)
 MLA_COMPUTED = tuple(f.model_type for f in REGISTRY.values() if "kv_lora_rank" in f.varies)
 SOFTCAP = ("gemma2",)
