@@ -135,7 +135,7 @@ def weight_macs_per_token_per_layer(c: Config) -> int:
 
 def attention_macs(c: Config, T: int, cached: int = 0, skip_masked: bool = False) -> int:
     """Multiply-adds of `q @ k^T` and `weights @ v` in one layer, for T queries after `cached`
-    positions. As `attend` computes them, every query scores every key (T * S) and the mask then
+    positions. As `Attention.mix` computes them, every query scores every key (T * S) and the mask then
     discards the future. A kernel that skips masked keys (skip_masked=True) needs only the keys
     each query sees: cached + 1, ..., cached + T; at prefill the triangle T * (T + 1) / 2."""
     keys = T * cached + (T * (T + 1) // 2 if skip_masked else T * T)

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 
 from .config import Config
 from .errors import LlmTraceError
+from .model import one_layer_of_each_kind
 from .trace import Trace, _fmt_shape
 
 RESIDUAL = {("x", "resid_mid"), ("resid_mid", "resid_out")}  # the skip connections
@@ -74,8 +75,6 @@ def block_flow(config: Config) -> tuple[tuple[str, str], ...]:
     records were made. Found by running one layer of each kind on the meta device and following
     which recorded tensors each recorded tensor derives from: whatever a family records is on
     the map, with the edges its code gives it."""
-    from .model import one_layer_of_each_kind
-
     one, _ = one_layer_of_each_kind(config)  # its layer 0 is of layer 0's kind
     with _Flow() as flow:
         trace = _FlowTrace(flow)

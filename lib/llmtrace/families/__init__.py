@@ -1,23 +1,32 @@
 """Each family the library computes, in a home of its own: one module per HF `model_type`, each
-holding one `Family` entry: its HF classes, the switches of `Config` it implies, HF's default for
-each key its config.json may leave out, how those keys are read into `Config`'s fields and
-written back (`Config.to_hf`), and its refusals. The compute code never asks which family runs;
-it reads the switches.
+holding its `Family` entry (its HF classes, the fields of `Config` it sets, HF's default for each
+key its config.json may leave out, how those keys are read into `Config`'s fields and written
+back, its refusals) and its model: a subclass of `model.Model` that states how its layers differ
+from Llama's parts, as HF's modular_*.py files do, e.g. Qwen2's:
 
-To add a family: write `families/<name>.py` holding `FAMILY = Family(...)` (copy the nearest
-one), add its line to `REGISTRY` below. If it brings a mechanism no family had, add the switch
-to `Config` (its default is Llama's; validated there), its stage lines where the block computes
-it (`if config.<switch>:`, which the book's listings leave out for Llama), its weights' shapes in
-`weights/names.py`, and name it in `SWITCHES` here (the book's listings read it). Then one row in
-`tests/tiny_checkpoint.py`'s `ROWS` (HF's classes, a tiny config.json, the switches to turn
-off, the records only it has): the parity, map and shape tests read it.
+    class Qwen2(Model, family="qwen2"):
+        def attention(self, i):
+            c = self.config
+            return part(c.qkv_bias and Biased, window(c, i), Attention)(c, i)
 
-A mixture of experts is fields, not a second wiring: `read` sets n_experts, n_experts_active,
-moe_ffn_size, moe_router (one of moe.ROUTERS), moe_renormalize and, when some layers stay dense,
+Llama's parts (attention.py, mlp.py, norm.py, block.py) never name a family; what other families
+add is `mechanisms/` (a step of Llama's attention overridden, a mixture of experts, latent
+attention...), and `_parts.py` the choices several families read from the same fields.
+
+To add a family: write `families/<name>.py` (copy the nearest one: `olmoe.py` is the newest),
+holding `FAMILY = Family(...)` and its `Model` subclass, and add its line to `REGISTRY` below.
+If it brings a mechanism no family had, write it as a part (or one step) in `mechanisms/`, its
+fields in `Config` (validated in `config_checks.py`) and its weights' shapes in
+`weights/names.py`. Then one row in `tests/tiny_checkpoint.py`'s `ROWS` (HF's classes, a tiny
+config.json, the fields to turn off, the records only it has): the parity, map and shape tests
+read it.
+
+A mixture of experts is fields: `read` sets n_experts, n_experts_active, moe_ffn_size,
+moe_router (one of config_checks.ROUTERS), moe_renormalize and, when some layers stay dense,
 mlp_types (per layer "dense" or "moe"); `Config.is_moe(i)` says which layers load a
-`LayerWeights.moe` (moe.MoeWeights), and the block runs `moe.moe_mlp` where it is set. The
-experts' names on disk: moe.HF_EXPERT_NAMES (read by moe.hf_moe_weights and, for the shapes,
-weights/names.py's `moe_hf_names`).
+`LayerWeights.moe` (moe.MoeWeights) and run `mechanisms.moe.MoE`. The experts' names on disk:
+moe.HF_EXPERT_NAMES (read by moe.hf_moe_weights and, for the shapes, weights/names.py's
+`moe_hf_names`).
 """
 
 from __future__ import annotations

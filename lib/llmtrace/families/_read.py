@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from ..config import LLAMA3_KEYS, Config
-from ..errors import LlmTraceError
+from ..errors import LlmTraceError, read_json
 from ..config_checks import yarn_checked
 
 KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false"}
@@ -23,17 +23,6 @@ HF_KEYS = {"n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
            "eos_id": "eos_token_id", "stop_ids": "eos_token_id", "pad_id": "pad_token_id",
            "rope_local_theta": "rope_local_base_freq", "attn_scale": "query_pre_attn_scalar"}
 REQUIRED = object()  # HFKeys.get's default: the key must be there
-
-
-def read_json(path: Path, what: str):
-    """A JSON file's content, or one line saying why it cannot be read."""
-    try:
-        return json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LlmTraceError(f"{path} is not valid JSON ({e}): it should be {what}; "
-                            f"download or write it again") from None
-    except OSError as e:
-        raise LlmTraceError(f"cannot read {path} ({e.strerror or e})") from None
 
 
 def read_hf_config(source, name: str | None) -> tuple[dict, str, str | None]:

@@ -306,7 +306,7 @@ class Gemma4Attention(Attention):
 
 class Gemma4Block(Block):
     """Gemma 4's layer ends with what it adds after the MLP: its own per-layer input
-    (`ple_size`), gated in by the stream, then the whole times the layer's scalar. `block`:
+    (`ple_size`), gated in by the stream, then the whole times the layer's scalar. `block`,
     the layer before that (a `gemma.SandwichBlock`)."""
 
     def __init__(self, block: Block, layer: int, ple: bool, scalar: bool):

@@ -20,7 +20,6 @@ import torch
 
 from ..config import FIELD_DEFAULTS, FORMATS, Config, config_problems
 from ..errors import LlmTraceError, first_line
-from ..families import COMPUTED
 from ..rope import adjacent_to_half_split
 from ..tokenize import HFTokenizer, SentencePieceTokenizer, check_bos
 from .names import LAYER_TENSORS, MODEL_TENSORS, expected_shapes, hf_name
@@ -93,7 +92,8 @@ def gguf_derived(fields: dict, where: str) -> dict:
         if value is not None and width is not None and value != width:
             raise LlmTraceError(f"{where}: GGUF {key}={value} differs from the head width "
                                 f"{width}: RoPE on part of a head, or values of another width, "
-                                f"are not implemented: {COMPUTED}")
+                                f"are not implemented: llmtrace reads GGUF files of "
+                                f"Llama's architecture")
     if fields.get("llama.attention.key_length") is None:
         out["llama.attention.key_length"] = 0 if width is None else width
     return out

@@ -10,9 +10,8 @@ from pathlib import Path
 import torch
 
 from ..config import Config
-from ..families._read import read_json
 from .names import expected_shapes
-from ..errors import LlmTraceError, first_line
+from ..errors import LlmTraceError, first_line, read_json
 from ..tokenize import HFTokenizer, SentencePieceTokenizer
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from ..config import Config
 from ..errors import LlmTraceError
+from ..mechanisms.gemma4 import config_layer_shapes
+from ..mechanisms.moe import DEEPSEEK, HF_EXPERT_NAMES
 
 
 # The one table of the weights' names. A layer's tensors: `LayerWeights` field -> (its Hugging Face
@@ -93,8 +95,6 @@ def moe_hf_names(c: Config, layer: int) -> dict[str, str | list[str]]:
     """A MoE layer's Hugging Face names, as `save_pretrained` writes them (moe.hf_moe_weights
     reads the same): "moe.router" -> its name; "moe.gate", "moe.up", "moe.down" -> one name
     per expert (Mixtral: block_sparse_moe.experts.{e}.w1; Qwen3-MoE: mlp.experts.{e}.gate_proj)."""
-    from ..mechanisms.moe import DEEPSEEK, HF_EXPERT_NAMES
-
     # DeepSeek: Qwen3-MoE's names, and its shared experts and router bias
     family = "qwen3_moe" if c.family in DEEPSEEK else c.family
     if family not in HF_EXPERT_NAMES:
@@ -151,8 +151,6 @@ def tensor_shapes(c: Config, layer: int = 0) -> dict[str, tuple[int, ...]]:
     D, hd, V, F = c.hidden_size, c.head_dim, c.vocab_size, c.ffn_size
     kv, own_k, own_v = c.kv_size, True, True
     if c.varied_layers:  # Gemma 4: this layer's head width, KV heads, MLP; shared: no K, V
-        from ..mechanisms.gemma4 import config_layer_shapes
-
         s = config_layer_shapes(c)[layer]
         hd, F, kv = s.head_dim, s.ffn_size, s.n_kv_heads * s.head_dim
         own_k = s.kv_source == layer
