@@ -1,9 +1,10 @@
 """Qwen3-Next's layers against HF transformers' own classes on tiny random weights: the Gated
-DeltaNet layer (deltanet.py) against Qwen3NextGatedDeltaNet and its torch fallbacks, prefill in
-chunks then decode token by token; the chunked and recurrent forms against each other; the state
-that does not grow; a negative control for each piece; the full-attention layer's output gate and
-partial RoPE (attention.py, rope.py) against Qwen3NextAttention; Qwen3.5's text layers; the names
-on disk; and the appendix's toy delta rule."""
+DeltaNet layer (mechanisms/deltanet.py) against Qwen3NextGatedDeltaNet and its torch fallbacks,
+prefill in chunks then decode token by token; the chunked and recurrent forms against each other;
+the state that does not grow; a negative control for each piece; the full-attention layer's
+output gate and partial RoPE (deltanet.GatedAttention, deltanet.partial_rope, as the Qwen3-Next
+model builds them) against Qwen3NextAttention; Qwen3.5's text layers; the names on disk; and the
+appendix's toy delta rule."""
 
 import math
 from types import SimpleNamespace
@@ -23,16 +24,18 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (Qwen3NextAttenti
                                                                 Qwen3NextRotaryEmbedding,
                                                                 Qwen3NextSparseMoeBlock)
 
-from llmtrace.mechanisms import deltanet
-from llmtrace.attention import Positions, attention, causal_mask
+from llmtrace.attention import Attention, causal_mask
 from llmtrace.config import Config
-from llmtrace.mechanisms.deltanet import (DeltaNetDims, DeltaNetState, DeltaNetWeights,
-                               chunked_delta_rule, delta_rule_step, gated_deltanet,
-                               hf_deltanet_weights, recurrent_delta_rule, state_bytes)
 from llmtrace.errors import LlmTraceError
 from llmtrace.kv_cache import KVCache, bytes_per_token
-from llmtrace.mlp import swiglu
+from llmtrace.mechanisms import deltanet
+from llmtrace.mechanisms.deltanet import (DeltaNetDims, DeltaNetState, DeltaNetWeights,
+                                          GatedAttention, chunked_delta_rule, delta_rule_step,
+                                          gated_deltanet, hf_deltanet_weights, partial_rope,
+                                          recurrent_delta_rule, state_bytes)
 from llmtrace.mechanisms.moe import MoeWeights, moe_mlp
+from llmtrace.mlp import swiglu
+from llmtrace.model import Model
 from llmtrace.rope import apply_rope, rope_cos_sin
 from llmtrace.trace import Patched, Trace
 
@@ -308,13 +311,21 @@ ROT = int(HD * 0.25)  # partial_rotary_factor 0.25: 4 of each head's 16 dims tur
 def qwen3_next_config() -> Config:
     return Config("tiny-qwen3-next", vocab_size=128, hidden_size=D, n_layers=4, n_heads=H,
                   n_kv_heads=KV, ffn_size=96, max_positions=64, head_dim=HD, norm_eps=1e-6,
-                  family="qwen3_next", qk_norm=True, norm_offset=True)
+                  family="qwen3_next", qk_norm=True, norm_offset=True,
+                  attn_output_gate=True, partial_rotary_factor=0.25)
 
 
-def positions(start, T, rotary_dim=ROT):
-    p = torch.arange(start, start + T)
-    cos, sin = rope_cos_sin(p, rotary_dim, 10000.0)  # [T, rotary_dim] each
-    return Positions(start, cos, sin, causal_mask(T, start + T, start), rotary_dim=rotary_dim)
+def family_attention(config, layer=3):
+    """Layer `layer`'s attention as the Qwen3-Next model builds it from the config
+    (`families/qwen3_next.py`: `Qwen3Next.attention`)."""
+    return Model.families["qwen3_next"].attention(SimpleNamespace(config=config), layer)
+
+
+def family_positions(config, start, T):
+    """The pass's positions as the Qwen3-Next model makes them (`Qwen3Next.positions`): RoPE's
+    tables rotary_dim wide."""
+    stub = SimpleNamespace(config=config, device=torch.device("cpu"))
+    return Model.families["qwen3_next"].positions(stub, start, T)
 
 
 @pytest.fixture(scope="module")
@@ -341,12 +352,15 @@ def hf_attention_run(layer, x):
 
 def our_attention_run(w, x, rotary_dim=ROT, config=None, patch=None):
     config, cache, outs, traces = config or qwen3_next_config(), KVCache(16, KV, HD, B), [], []
+    attn = family_attention(config)
+    assert isinstance(attn, GatedAttention) and attn.rotary_dim == (
+        rotary_dim if rotary_dim < HD else None)
     for start, T in [(0, PROMPT)] + [(t, 1) for t in range(PROMPT, PROMPT + STEPS)]:
-        tr = Trace()
+        tr, pos = Trace(), family_positions(config, start, T)
+        assert pos.cos.shape == (T, rotary_dim)  # [T, rotary_dim]: the tables of the turned dims
         with torch.no_grad():
-            outs.append(attention(x[:, start:start + T], w, config,
-                                  positions(start, T, rotary_dim), cache,
-                                  Patched(patch, tr) if patch else tr, output_gate=True))
+            outs.append(attn(x[:, start:start + T], w, pos, cache,
+                             Patched(patch, tr) if patch else tr))
         traces.append(tr)
     return torch.cat(outs, 1), traces
 
@@ -376,7 +390,8 @@ def test_each_attention_piece_matters(hf_attention, control):
     if control == "no output gate":  # sigmoid(gate) = 1
         got, _ = our_attention_run(w, x, patch={"attn.gate": lambda t: torch.full_like(t, 50)})
     elif control == "RoPE on the whole head":
-        got, _ = our_attention_run(w, x, rotary_dim=HD)
+        got, _ = our_attention_run(w, x, rotary_dim=HD, config=qwen3_next_config().replace(
+            partial_rotary_factor=1.0))
     else:
         got, _ = our_attention_run(w, x, config=qwen3_next_config().replace(norm_offset=False))
     moved = (got - want).abs().max().item()
@@ -389,10 +404,10 @@ def test_partial_rope_is_hfs_apply_rotary_pos_emb():
     cos, sin = rope_cos_sin(torch.arange(5), ROT, 10000.0)  # [5, ROT] each
     ref_q, ref_k = hf.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos[None],
                                            sin[None])
-    assert (apply_rope(q, cos, sin, rotary_dim=ROT) - ref_q.transpose(1, 2)).abs().max() < 1e-6
-    assert (apply_rope(k, cos, sin, rotary_dim=ROT) - ref_k.transpose(1, 2)).abs().max() < 1e-6
+    assert (partial_rope(q, cos, sin, ROT) - ref_q.transpose(1, 2)).abs().max() < 1e-6
+    assert (partial_rope(k, cos, sin, ROT) - ref_k.transpose(1, 2)).abs().max() < 1e-6
     full_cos, full_sin = rope_cos_sin(torch.arange(5), HD, 10000.0)
-    assert torch.equal(apply_rope(q, full_cos, full_sin, rotary_dim=HD),
+    assert torch.equal(partial_rope(q, full_cos, full_sin, HD),
                        apply_rope(q, full_cos, full_sin))  # the whole head: as before
 
 
@@ -403,17 +418,19 @@ def embedded():
 
 
 def test_by_default_attention_records_what_it_did(embedded):
-    """output_gate off and rotary_dim None leave attention as it was: the same records, ops,
-    costs and values as the call without them."""
+    """A Llama's layer is Llama's `Attention`, none of Qwen3-Next's steps mixed in (no output
+    gate, RoPE on the whole head): the model's own part computes the same records, ops, costs
+    and values as `Attention(config)` called alone."""
     m = embedded
     ids = m.encode("The capital of France is")
     x = F.embedding(ids, m.weights.embed)  # [1, T, D]
-    pos = Positions.of(0, ids.shape[1], m.config)
+    pos = m.positions(0, ids.shape[1])
     lw = m.weights.layers[0]
+    assert type(m.blocks[0].attn) is Attention and m.config.rotary_dim is None
     a, b = Trace(), Trace()
-    out_a = attention(x, lw, m.config, pos, None, a)
-    out_b = attention(x, lw, m.config, pos, None, b, output_gate=False)
-    assert pos.rotary_dim is None
+    out_a = Attention(m.config)(x, lw, pos, None, a)
+    out_b = m.blocks[0].attn(x, lw, pos, None, b)
+    assert pos.more == {} and pos.cos.shape[-1] == m.config.head_dim
     assert torch.equal(out_a, out_b)
     assert [(r.name, r.op, r.shape, r.macs) for r in a] == [(r.name, r.op, r.shape, r.macs)
                                                             for r in b]

@@ -17,7 +17,7 @@ from tiny_checkpoint import ROWS, make_tiny_checkpoint
 NOT_EXERCISED = {**{f: "no norm before a sublayer, and the exercises read attn_norm's input"
                     for f in ("olmo2", "olmo3")},
                  **{f: "a mixture of experts: the exercises build the dense SwiGLU MLP"
-                    for f in ("mixtral", "qwen3_moe", "qwen3_moe_sparse", "gpt_oss")},
+                    for f in ("mixtral", "qwen3_moe", "qwen3_moe_sparse", "gpt_oss", "olmoe")},
                  **{f: "latent attention: the exercises build K and V by GQA's projections"
                     for f in ("deepseek_v3", "deepseek_v2")},
                  **{f: "layer 0 is a Gated DeltaNet layer, and the exercises read attention's "

@@ -13,8 +13,10 @@ import torch
 import transformers
 
 from llmtrace import Config, LlmTraceError, generate, load_model, meta_model
-from llmtrace.attention import causal_mask, window_mask
+from llmtrace.attention import causal_mask
+from llmtrace.mechanisms.attention_steps import window_mask
 from llmtrace.mechanisms.gemma4 import proportional_frequencies
+from llmtrace.mechanisms.yarn import yarn_frequencies
 from llmtrace.lens import keeps_stream, lens_grid, logit_lens
 from llmtrace.model import Model, estimate_trace_bytes, trace_bytes
 from llmtrace.rope import rope_frequencies
@@ -149,7 +151,9 @@ def test_llama3_frequencies_match_hf(family):
     f, model, hf, _ = family
     c = model.config
     ours = rope_frequencies(c.rotary_dim or c.head_dim, c.rope_theta,
-                            scaling=c.rope_scaling)  # [hd/2] (Qwen3-Next: [rotary_dim/2])
+                            scaling=c.rope_scaling) if c.rope_type != "yarn" else \
+        yarn_frequencies(c.head_dim, c.rope_theta,
+                         dict(c.rope_scaling))  # [hd/2] (Qwen3-Next: [rotary_dim/2])
     if c.global_head_dim:  # Gemma 4: the full layers' wider heads, partly turning
         ours = proportional_frequencies(c.global_head_dim, c.rope_theta, c.rope_partial)
     rotary = hf.model.rotary_emb  # Gemma 3: one set of frequencies per kind of layer
@@ -194,7 +198,10 @@ def test_configs_hf_cannot_compute_are_refused():
     with pytest.raises(LlmTraceError, match=r"rope_scaling=\{'rope_type': 'dynamic'.* is not Llama"):
         Config.from_name("llama-3.2-1b").replace(rope_scaling={"rope_type": "dynamic"})
     with pytest.raises(LlmTraceError, match="rope_scaling of type 'yarn' needs a positive factor"):
-        Config.from_name("llama-3.2-1b").replace(rope_scaling={"rope_type": "yarn"})
+        Config.from_name("gpt-oss-20b").replace(rope_scaling={"rope_type": "yarn"})
+    with pytest.raises(LlmTraceError, match="rope_scaling of type 'yarn' with family 'llama'"):
+        Config.from_name("llama-3.2-1b").replace(rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192})
     with pytest.raises(LlmTraceError, match="qk_norm=True set with family 'llama': HF's Llama"):
         Config.from_name("tinyllama").replace(qk_norm=True).to_hf()
     with pytest.raises(LlmTraceError, match="sliding_window=8 set with family 'qwen3'"):

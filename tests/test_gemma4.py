@@ -2,7 +2,10 @@
 weights: its rotary tables, per-layer inputs, attention of each kind (a sliding layer, a full
 layer whose V is K's projection, a layer reading another's K and V), a decoder layer, and the
 whole Gemma4ForCausalLM composed from llmtrace's stages, prefill past the window and decode
-with the cache. Each piece has a negative control; the shapes come out the same on meta."""
+with the cache. Each piece has a negative control; the shapes come out the same on meta.
+The parts are the library's (`Gemma4Attention` with `Scaled` and, on sliding layers, `Windowed`;
+`SandwichBlock`, `Gemma4Block`, `GeGLU`), built from the `Config` the library reads from HF's
+config.json. The MoE variant (enable_moe_block) is refused by its key: nothing computes it."""
 
 import dataclasses
 from types import SimpleNamespace
@@ -14,18 +17,19 @@ from safetensors.torch import load_file
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
-from llmtrace.mechanisms import gemma4
-from llmtrace.attention import Positions, causal_mask, window_mask
-from llmtrace.embed import embed
+from llmtrace import Config, meta_model
+from llmtrace.attention import Positions, causal_mask
 from llmtrace.errors import LlmTraceError
-from llmtrace.mechanisms.gemma4 import (PleWeights, gemma4_attention, gemma4_router, hf_moe_branch,
-                             kv_bytes_per_token, kv_sources, layer_scaled, layer_shapes,
-                             moe_branch, params_of_shapes,
-                             per_layer_inputs, per_layer_residual, proportional_cos_sin,
-                             proportional_frequencies, refuse_unsupported, rope_settings,
-                             softcap)
+from llmtrace.mechanisms import part
+from llmtrace.mechanisms.attention_steps import Scaled, Windowed, window_mask
+from llmtrace.mechanisms.gemma import GeGLU, SandwichBlock, offset_rms_norm, scaled_embed
+from llmtrace.mechanisms.gemma4 import (Gemma4Attention, Gemma4Block, PleWeights,
+                                        config_layer_shapes, kv_bytes_per_token, kv_sources,
+                                        layer_scaled, layer_shapes, params_of_shapes,
+                                        per_layer_inputs, per_layer_residual,
+                                        proportional_cos_sin, proportional_frequencies,
+                                        refuse_unsupported, rope_settings, softcap)
 from llmtrace.kv_cache import KVCache
-from llmtrace.mlp import swiglu
 from llmtrace.norm import rms_norm
 from llmtrace.rope import apply_rope, rope_cos_sin
 from llmtrace.trace import NO_TRACE, Trace
@@ -59,10 +63,6 @@ def tiny_hf(seed=0, **overrides):
                 p.uniform_(0.5, 1.5)
             elif "embed" in name:
                 p.normal_(0, 0.5)
-            elif "router.proj" in name:  # logits spread wide: no near-ties in the top k
-                p.normal_(0, 3.0)
-            elif "scale" in name:  # router.scale, router.per_expert_scale
-                p.uniform_(0.5, 1.5)
         for name, b in hf.named_buffers():
             if name.endswith("layer_scalar"):
                 b.uniform_(0.5, 1.5)
@@ -76,6 +76,11 @@ def hf():
 
 def hf_dict(hf):
     return hf.config.to_dict()
+
+
+def config_of(hf) -> Config:
+    """The library's config of HF's model, read from its config.json's keys."""
+    return Config.from_hf(hf_dict(hf), name="g4")
 
 
 def ids_of(n=PROMPT_LEN, seed=1):
@@ -140,19 +145,29 @@ def test_refusals():
             refuse_unsupported({"text_config": TINY, key: {"hidden_size": 8}}, "cfg")
     with pytest.raises(LlmTraceError, match=r"^cfg: use_bidirectional_attention='all' "):
         refuse_unsupported({**TINY, "use_bidirectional_attention": "all"}, "cfg")
-    # computed: the MoE, and 'vision', which leaves a text prompt causal (HF's Gemma4Model)
-    refuse_unsupported({**TINY, **MOE, "vision_config": None,
+    # computed: 'vision', which leaves a text prompt causal (HF's Gemma4Model)
+    refuse_unsupported({**TINY, "vision_config": None,
                         "use_bidirectional_attention": "vision"}, "cfg")
+
+
+def test_moe_variant_is_refused_by_its_key():
+    """Experts beside the dense MLP (enable_moe_block): computed nowhere, refused by the key
+    when the config is read, as HF's Gemma4TextConfig writes it."""
+    moe = Gemma4TextConfig(**{**TINY, "enable_moe_block": True, "num_experts": 6,
+                              "top_k_experts": 2, "moe_intermediate_size": 12}).to_dict()
+    with pytest.raises(LlmTraceError, match=r"enable_moe_block=true \(experts beside each "
+                       r"layer's MLP\) is not implemented for Gemma 4: only its dense models"):
+        Config.from_hf(moe, name="g4")
 
 
 def test_bidirectional_vision_leaves_text_causal(model):
     """use_bidirectional_attention='vision' changes nothing for text: HF's model with it
     gives the library's logits, computed causally."""
-    _, sd, shapes = model
+    _, sd, _, c = model
     ids = ids_of()
     with torch.no_grad():
         ref = hf_logits(tiny_hf(use_bidirectional_attention="vision"), ids)
-        assert (lib_logits(sd, shapes, ids) - ref).abs().max() < 1e-4
+        assert (lib_logits(c, sd, ids) - ref).abs().max() < 1e-4
 
 
 # --- RoPE on part of each head ----------------------------------------------------------------
@@ -221,29 +236,46 @@ def layer_weights(sd, i):
     return SimpleNamespace(**{f: sd.get(p + n) for f, n in names.items()})
 
 
-def positions(start, T, W=4, fraction=0.5, device=None, dims=(8, 16), full_theta=100.0):
-    """Each kind's Positions: sliding layers 8-wide heads, RoPE base 1e4, the window; full
-    layers 16-wide heads, RoPE on `fraction` of the pairs, base 100, no window."""
+def positions(start, T, fraction=0.5, device=None, dims=(8, 16), full_theta=100.0):
+    """One pass's Positions: the full layers' tables (16-wide heads, RoPE on `fraction` of the
+    pairs, base 100) and the causal mask; the sliding layers' own tables (8-wide heads, base
+    1e4) in `more["local"]`. The window is the sliding layers' part's own (`Windowed`, from
+    the config's sliding_window: 4)."""
     local, wide = dims
     p = torch.arange(start, start + T, device=device)
-    S = start + T
-    causal = causal_mask(T, S, start, device)
+    causal = causal_mask(T, start + T, start, device)
     full = (proportional_cos_sin(p, wide, full_theta, fraction) if fraction < 1
             else rope_cos_sin(p, wide, full_theta))
-    return {"sliding": Positions(start, *rope_cos_sin(p, local, 1e4), causal,
-                                 window_mask(T, S, start, W, device)),
-            "full": Positions(start, *full, causal)}
+    pos = Positions(start, *full, causal)
+    pos.more["local"] = Positions(start, *rope_cos_sin(p, local, 1e4), causal, pos.more)
+    return pos
 
 
-def lib_logits(sd, shapes, ids, start=0, caches=None, trace=NO_TRACE, off=(), fraction=0.5,
-               cap=3.0, k=2, H=4, **where):
-    """Gemma4ForCausalLM from llmtrace's stages. off: pieces left out, for the controls;
-    cap: final_logit_softcapping (None: none); k: experts per position, if the layers have
-    experts."""
-    L = len(shapes)
-    offset = "norm_weight" in off  # Gemma 3's (1 + weight) in place of Gemma 4's weight
+def tables(pos, kind):
+    """The Positions whose cos, sin a layer of this kind turns by."""
+    return pos.more["local"] if kind == "sliding" else pos
+
+
+def attention(c, i):
+    """Layer i's attention part: Gemma 4's, its scores times attn_scale (1), a window on the
+    sliding layers."""
+    return part(c.attn_scale and Scaled, Windowed if c.is_sliding(i) else None,
+                Gemma4Attention)(c, i)
+
+
+def lib_logits(c, sd, ids, start=0, caches=None, trace=NO_TRACE, off=(), fraction=0.5,
+               cap=3.0, **where):
+    """Gemma4ForCausalLM from llmtrace's stages, each layer's attention its part of config c.
+    off: pieces left out (or Gemma 3's form in their place), for the controls; cap:
+    final_logit_softcapping (None: none)."""
+    if "attn_scale" in off:  # no Scaled: scores / sqrt(hd), in place of * 1
+        c = c.replace(attn_scale=0.0)
+    if "v_norm" in off:  # V as projected, not normalized
+        c = c.replace(v_norm=False)
+    norm = offset_rms_norm if "norm_weight" in off else rms_norm  # Gemma 3's (1 + weight)
+    L = c.n_layers
     pos = positions(start, ids.shape[1], fraction=fraction, device=ids.device, **where)
-    x = embed(ids, sd["model.embed_tokens.weight"], trace, scale=True)  # [B, T, D]
+    x = scaled_embed(ids, sd["model.embed_tokens.weight"], trace)  # [B, T, D]
     if "model.embed_tokens_per_layer.weight" in sd:  # hidden_size_per_layer_input > 0
         ple = per_layer_inputs(ids, x, PleWeights(
             sd["model.embed_tokens_per_layer.weight"],
@@ -251,28 +283,25 @@ def lib_logits(sd, shapes, ids, start=0, caches=None, trace=NO_TRACE, off=(), fr
             sd["model.per_layer_projection_norm.weight"]), L, EPS, trace)  # [B, T, L, P]
     else:
         off = (*off, "ple")
-    read = {}
-    for i, s in enumerate(shapes):
+    for i in range(L):
         w, name = layer_weights(sd, i), f"layers.{i}"
-        h = rms_norm(x, w.attn_norm, EPS, trace, f"{name}.attn_norm", offset)
-        shared = read[s.kv_source] if s.kv_source != i else None
+        attn = attention(c, i)
+        if "kv_source" in off and i == 4:  # layer 4 reads layer 1's K, V, not layer 3's
+            attn.shape = dataclasses.replace(attn.shape, kv_source=1)
+        h = norm(x, w.attn_norm, EPS, trace, f"{name}.attn_norm")
         cache = caches[i] if caches is not None else None
-        h, read[i] = gemma4_attention(h, w, s, H, EPS, pos[s.kind], cache, shared, trace,
-                                      f"{name}.attn")  # [B, T, D]
-        h = rms_norm(h, w.post_attn_norm, EPS, trace, f"{name}.attn_post_norm", offset)
+        h = attn(h, w, pos, cache, trace, f"{name}.attn")  # [B, T, D]
+        h = norm(h, w.post_attn_norm, EPS, trace, f"{name}.attn_post_norm")
         x = trace.record(f"{name}.resid_mid", "x + attn", x + h)  # [B, T, D]
-        h = rms_norm(x, w.mlp_norm, EPS, trace, f"{name}.mlp_norm", offset)
-        h = swiglu(h, w, trace, f"{name}.mlp", "gelu_tanh")  # [B, T, D]
-        if f"model.layers.{i}.router.scale" in sd:  # enable_moe_block: experts beside
-            branch = hf_moe_branch(sd.__getitem__, f"model.layers.{i}")
-            h = moe_branch(x, h, branch, k, EPS, trace, name)  # [B, T, D]
-        h = rms_norm(h, w.post_mlp_norm, EPS, trace, f"{name}.mlp_post_norm", offset)
+        h = norm(x, w.mlp_norm, EPS, trace, f"{name}.mlp_norm")
+        h = GeGLU()(h, w, trace, f"{name}.mlp")  # [B, T, D]
+        h = norm(h, w.post_mlp_norm, EPS, trace, f"{name}.mlp_post_norm")
         x = trace.record(f"{name}.resid_out", "h + mlp", x + h)  # [B, T, D]
         if "ple" not in off:
             x = per_layer_residual(x, ple[:, :, i], w, EPS, trace, name)  # [B, T, D]
         if "layer_scalar" not in off:
             x = layer_scaled(x, w.layer_scalar, trace, name)  # [B, T, D]
-    x = rms_norm(x, sd["model.norm.weight"], EPS, trace, "final_norm", offset)
+    x = norm(x, sd["model.norm.weight"], EPS, trace, "final_norm")
     logits = trace.record("lm_head", "x @ W^T (tied)",
                           F.linear(x, sd["model.embed_tokens.weight"]))  # [B, T, V]
     return logits if "softcap" in off or cap is None else softcap(logits, cap, trace)
@@ -286,7 +315,16 @@ def new_caches(shapes, max_len, device="cpu"):
 
 @pytest.fixture(scope="module")
 def model(hf):
-    return hf, dict(hf.state_dict()), layer_shapes(hf_dict(hf))
+    """HF's model, its tensors, each layer's shape read from its config.json, and the library's
+    config: whose parts have those same shapes, and are the family's own."""
+    shapes, c = layer_shapes(hf_dict(hf)), config_of(hf)
+    assert config_layer_shapes(c) == shapes
+    # the library's Gemma 4 builds the same attention parts (`part` makes a new class each
+    # call: compare their bases)
+    family = meta_model(c).blocks
+    assert [type(b.attn).__mro__[1:] for b in family] == [
+        type(attention(c, i)).__mro__[1:] for i in range(c.n_layers)]
+    return hf, dict(hf.state_dict()), shapes, c
 
 
 def hf_logits(hf, ids):
@@ -295,11 +333,11 @@ def hf_logits(hf, ids):
 
 
 def test_whole_model_prefill_matches_hf(model):
-    hf, sd, shapes = model
+    hf, sd, _, c = model
     ids = ids_of()
     ref = hf_logits(hf, ids)
     with torch.no_grad():
-        mine = lib_logits(sd, shapes, ids)
+        mine = lib_logits(c, sd, ids)
     assert (mine - ref).abs().max() < 1e-4
     assert ref.abs().max() > 0.5  # the cap of 3 bites on these logits
 
@@ -307,41 +345,43 @@ def test_whole_model_prefill_matches_hf(model):
 def test_whole_model_decode_with_cache_matches_hf(model):
     """Prefill 11 tokens, then 3 greedy steps each reading the cache: the shared layers read
     their sources' caches, which hold every position (the window is the mask's)."""
-    hf, sd, shapes = model
+    hf, sd, shapes, c = model
     ids = ids_of()
     caches = new_caches(shapes, PROMPT_LEN + 3)
     with torch.no_grad():
         out = hf(ids, use_cache=True)
-        mine = lib_logits(sd, shapes, ids, 0, caches)
+        mine = lib_logits(c, sd, ids, 0, caches)
         assert (mine - out.logits).abs().max() < 1e-4
         cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
         for step in range(3):
             out = hf(nxt, cache=cache, use_cache=True)
             cache = out.cache
-            mine = lib_logits(sd, shapes, nxt, PROMPT_LEN + step, caches)
+            mine = lib_logits(c, sd, nxt, PROMPT_LEN + step, caches)
             assert (mine - out.logits).abs().max() < 1e-4, step
             nxt = out.logits[:, -1:].argmax(-1)
 
 
 @pytest.mark.parametrize("piece", ["ple", "layer_scalar", "softcap", "norm_weight",
                                    "proportional_rope", "v_norm", "attn_scale", "kv_source"])
-def test_each_piece_off_moves_the_logits(model, piece, monkeypatch):
+def test_each_piece_off_moves_the_logits(model, piece):
     """The negative controls: each piece left out (or Gemma 3's form in its place) moves the
-    logits by more than 100x the tolerance of the parity above."""
-    hf, sd, shapes = model
+    logits by more than 100x the tolerance of the parity above. v_norm and attn_scale are
+    switched off in the config the parts are built from; kv_source: layer 4's part reads
+    layer 1's K, V, not layer 3's."""
+    hf, sd, _, c = model
     ids = ids_of()
     ref = hf_logits(hf, ids)
     fraction = 1.0 if piece == "proportional_rope" else 0.5
-    if piece == "v_norm":
-        monkeypatch.setattr(gemma4, "unit_rms_norm", lambda x, *a: x)
-    if piece == "attn_scale":  # 1/sqrt(hd) in place of 1
-        real = gemma4.attend
-        monkeypatch.setattr(gemma4, "attend", lambda *a: real(*a[:-1], 0.0))
-    if piece == "kv_source":  # layer 4 reads layer 1's K, V, not layer 3's
-        shapes = [*shapes[:4], dataclasses.replace(shapes[4], kv_source=1), shapes[5]]
+    t = Trace(keep_values=False)
     with torch.no_grad():
-        off = lib_logits(sd, shapes, ids, off=(piece,), fraction=fraction)
+        off = lib_logits(c, sd, ids, trace=t, off=(piece,), fraction=fraction)
     assert (off - ref).abs().max() > 100 * 1e-4, piece
+    if piece == "v_norm":  # the switch took: no V was normalized
+        assert not any(n.endswith(".attn.v_norm") for n in t.names)
+    if piece == "attn_scale":
+        assert t.get("layers.0.attn.scores").op == "q @ k^T / sqrt(8)"
+    if piece == "kv_source":
+        assert t.get("layers.4.attn.kv_cache.k").op == "K cache: shared: layers.1's, read 0:11"
 
 
 # --- each piece against HF's own submodule ------------------------------------------------------
@@ -354,18 +394,19 @@ def hf_mask(T, start, window=None):
 def test_attention_with_own_kv_matches_hf(model, layer):
     """Layer 0 (sliding, its own V projection) and layer 2 (full, 16-wide heads, one KV head,
     V from K's projection): HF's Gemma4TextAttention on the same input."""
-    hf, sd, shapes = model
+    hf, sd, shapes, c = model
     s, a = shapes[layer], hf.model.layers[layer].self_attn
     torch.manual_seed(3)
     x = torch.randn(1, PROMPT_LEN, 32)
-    pos = positions(0, PROMPT_LEN)[s.kind]
+    pos = positions(0, PROMPT_LEN)
+    turn = tables(pos, s.kind)
     store = {}
     with torch.no_grad():
-        ref, _ = a(x, (pos.cos[None], pos.sin[None]),
+        ref, _ = a(x, (turn.cos[None], turn.sin[None]),
                    hf_mask(PROMPT_LEN, 0, 4 if s.kind == "sliding" else None), store)
         t = Trace()
-        mine, (k, v) = gemma4_attention(x, layer_weights(sd, layer), s, 4, EPS, pos,
-                                        trace=t, name="attn")
+        mine = attention(c, layer)(x, layer_weights(sd, layer), pos, trace=t, name="attn")
+        k, v = pos.more["kv", layer]  # what it read, left for the layers that share it
     assert (mine - ref).abs().max() < TOL
     assert t.get("attn.v_proj").op.startswith("k_proj" if layer == 2 else "x @ W_v")
     assert t.get("attn.scores").op == "q @ k^T * 1"
@@ -377,18 +418,20 @@ def test_attention_with_own_kv_matches_hf(model, layer):
 def test_shared_attention_matches_hf(model):
     """Layer 4 computes only its query and reads layer 3's K, V, as HF's attention does
     from shared_kv_states; it has no k_proj, v_proj, k_norm on disk."""
-    hf, sd, shapes = model
+    hf, sd, shapes, c = model
+    assert shapes[4].kv_source == 3
     torch.manual_seed(4)
     x, x3 = torch.randn(1, PROMPT_LEN, 32), torch.randn(1, PROMPT_LEN, 32)
-    pos = positions(0, PROMPT_LEN)["sliding"]
+    pos = positions(0, PROMPT_LEN)
+    turn = tables(pos, "sliding")
     mask = hf_mask(PROMPT_LEN, 0, 4)
     with torch.no_grad():
-        _, kv3 = gemma4_attention(x3, layer_weights(sd, 3), shapes[3], 4, EPS, pos)
+        attention(c, 3)(x3, layer_weights(sd, 3), pos)  # leaves its K, V in pos.more
+        kv3 = pos.more["kv", 3]
         store = {"sliding_attention": tuple(t.transpose(1, 2) for t in kv3)}
-        ref, _ = hf.model.layers[4].self_attn(x, (pos.cos[None], pos.sin[None]), mask, store)
+        ref, _ = hf.model.layers[4].self_attn(x, (turn.cos[None], turn.sin[None]), mask, store)
         t = Trace()
-        mine, _ = gemma4_attention(x, layer_weights(sd, 4), shapes[4], 4, EPS, pos,
-                                   shared=kv3, trace=t, name="layers.4.attn")
+        mine = attention(c, 4)(x, layer_weights(sd, 4), pos, trace=t, name="layers.4.attn")
     assert (mine - ref).abs().max() < TOL
     assert "layers.4.attn.k_proj" not in t.names
     assert t.get("layers.4.attn.kv_cache.k").op == "K cache: shared: layers.3's, read 0:11"
@@ -396,7 +439,7 @@ def test_shared_attention_matches_hf(model):
 
 
 def test_per_layer_inputs_match_hf(model):
-    hf, sd, _ = model
+    hf, sd, _, _ = model
     ids = ids_of()
     with torch.no_grad():
         x = hf.model.embed_tokens(ids)
@@ -413,26 +456,28 @@ def test_per_layer_inputs_match_hf(model):
 
 def test_decoder_layer_matches_hf(model):
     """Layer 5: shared (reads layer 2), double-wide MLP (96), its per-layer input and its
-    scalar: HF's Gemma4TextDecoderLayer against the library's stages."""
-    hf, sd, shapes = model
+    scalar: HF's Gemma4TextDecoderLayer against the library's block, a `Gemma4Block` around
+    Gemma's `SandwichBlock` (the layer without its per-layer input and scalar)."""
+    hf, sd, shapes, c = model
+    assert shapes[5].kv_source == 2 and shapes[5].ffn_size == 96
     torch.manual_seed(5)
     x, x2 = torch.randn(1, PROMPT_LEN, 32), torch.randn(1, PROMPT_LEN, 32)
     ple = torch.randn(1, PROMPT_LEN, 8)
-    pos = positions(0, PROMPT_LEN)["full"]
+    pos = positions(0, PROMPT_LEN)
+    # every layer's per-layer input: the block reads its own, layer 5's
+    pos.more["ple"] = torch.randn(1, PROMPT_LEN, 6, 8).index_copy(2, torch.tensor([5]),
+                                                                 ple[:, :, None])
     with torch.no_grad():
-        _, kv2 = gemma4_attention(x2, layer_weights(sd, 2), shapes[2], 4, EPS, pos)
-        store = {"full_attention": tuple(t.transpose(1, 2) for t in kv2)}
+        attention(c, 2)(x2, layer_weights(sd, 2), pos)  # leaves its K, V in pos.more
+        store = {"full_attention": tuple(t.transpose(1, 2) for t in pos.more["kv", 2])}
         ref = hf.model.layers[5](x, ple, store, (pos.cos[None], pos.sin[None]),
                                  hf_mask(PROMPT_LEN, 0))
         w = layer_weights(sd, 5)
-        h, _ = gemma4_attention(rms_norm(x, w.attn_norm, EPS), w, shapes[5], 4, EPS, pos,
-                                shared=kv2)
-        h = x + rms_norm(h, w.post_attn_norm, EPS)
-        h = h + rms_norm(swiglu(rms_norm(h, w.mlp_norm, EPS), w, act="gelu_tanh"),
-                         w.post_mlp_norm, EPS)
+        inner = SandwichBlock(attention(c, 5), GeGLU(), EPS, rms_norm)
+        h = inner(x, w, pos)  # [1, T, D]
         t = Trace()
-        mine = layer_scaled(per_layer_residual(h, ple, w, EPS, t, "layers.5"),
-                            w.layer_scalar, t, "layers.5")
+        mine = Gemma4Block(inner, 5, ple=True, scalar=True)(x, w, pos, trace=t,
+                                                             name="layers.5")
     assert (mine - ref).abs().max() < TOL
     assert t["layers.5.ple_gate"].shape == (1, PROMPT_LEN, 8)
     assert (h - ref).abs().max() > 100 * TOL  # without the per-layer input and the scalar
@@ -463,18 +508,18 @@ def test_names_on_disk(tmp_path, hf):
 def test_meta_shapes_equal_real_ones(model):
     """A prefill and a decode step on the meta device make the records a real pass makes,
     with the same shapes (the full layers' 16-wide heads, the shared layers' S)."""
-    hf, sd, shapes = model
+    hf, sd, shapes, c = model
     ids = ids_of()
     real, meta = Trace(keep_values=False), Trace(keep_values=False)
     meta_sd = {k: torch.empty(v.shape, device="meta") for k, v in sd.items()}
     with torch.no_grad():
         caches = new_caches(shapes, PROMPT_LEN + 1)
-        lib_logits(sd, shapes, ids, 0, caches, real)
-        lib_logits(sd, shapes, ids[:, :1], PROMPT_LEN, caches, real)
+        lib_logits(c, sd, ids, 0, caches, real)
+        lib_logits(c, sd, ids[:, :1], PROMPT_LEN, caches, real)
     meta_caches = [KVCache(PROMPT_LEN + 1, s.n_kv_heads, s.head_dim, 1, "meta")
                    if s.kv_source == i else None for i, s in enumerate(shapes)]
-    lib_logits(meta_sd, shapes, ids.to("meta"), 0, meta_caches, meta)
-    lib_logits(meta_sd, shapes, ids[:, :1].to("meta"), PROMPT_LEN, meta_caches, meta)
+    lib_logits(c, meta_sd, ids.to("meta"), 0, meta_caches, meta)
+    lib_logits(c, meta_sd, ids[:, :1].to("meta"), PROMPT_LEN, meta_caches, meta)
     assert [(r.name, r.shape) for r in meta] == [(r.name, r.shape) for r in real]
     by = {r.name: r.shape for r in real}  # the decode step's, the later ones
     assert by["layers.2.attn.q"] == (1, 1, 4, 16)
@@ -507,6 +552,8 @@ def test_e2b_shape_on_meta():
         hf = Gemma4ForCausalLM(Gemma4TextConfig(**E2B_SHAPE))
     shapes = layer_shapes(hf.config.to_dict())
     assert shapes == layer_shapes(E2B_SHAPE)
+    c = Config.from_hf(hf.config.to_dict(), name="e2b-shape")
+    assert config_layer_shapes(c) == shapes and c.sliding_window == 512
     src = [s.kv_source for s in shapes]
     assert src[:15] == list(range(15))
     assert src[15:] == [14 if i % 5 == 4 else 13 for i in range(15, 35)]
@@ -521,9 +568,8 @@ def test_e2b_shape_on_meta():
     t = Trace(keep_values=False)
     caches = [KVCache(T, s.n_kv_heads, s.head_dim, 1, "meta") if s.kv_source == i else None
               for i, s in enumerate(shapes)]
-    logits = lib_logits(sd, shapes, torch.zeros(1, T, dtype=torch.long, device="meta"), 0,
-                        caches, t, fraction=0.25, cap=30.0, H=8, dims=(256, 512),
-                        full_theta=1e6, W=512)
+    logits = lib_logits(c, sd, torch.zeros(1, T, dtype=torch.long, device="meta"), 0,
+                        caches, t, fraction=0.25, cap=30.0, dims=(256, 512), full_theta=1e6)
     assert logits.shape == (1, T, 262144)
     by = {r.name: r.shape for r in t}
     assert by["ple"] == (1, T, 35, 256)
@@ -531,77 +577,3 @@ def test_e2b_shape_on_meta():
     assert by["layers.34.attn.kv_cache.k"] == (1, T, 1, 512)  # layer 14's
     assert by["layers.15.mlp.gate"] == (1, T, 12288) and by["layers.14.mlp.gate"] == (1, T, 6144)
     assert sum(n.endswith(".attn.k_proj") for n in by) == 15
-
-
-# --- the MoE variant --------------------------------------------------------------------------
-MOE = dict(num_hidden_layers=3, layer_types=KINDS[:3], num_kv_shared_layers=0,
-           attention_k_eq_v=False, hidden_size_per_layer_input=0, enable_moe_block=True,
-           num_experts=6, top_k_experts=2, moe_intermediate_size=12,
-           final_logit_softcapping=None)
-
-
-@pytest.fixture(scope="module")
-def moe_model():
-    hf = tiny_hf(seed=2, **MOE)
-    return hf, dict(hf.state_dict()), layer_shapes(hf_dict(hf))
-
-
-def test_moe_model_matches_hf(moe_model):
-    """Experts beside the dense MLP in every layer, no per-layer inputs, the full layers with
-    a V projection of their own (attention_k_eq_v off): prefill past the window, and the
-    router's choices are HF's."""
-    hf, sd, shapes = moe_model
-    assert [s.k_eq_v for s in shapes] == [False] * 3 and "model.layers.2.self_attn.v_proj" \
-        ".weight" in sd
-    ids = ids_of()
-    t = Trace()
-    with torch.no_grad():
-        ref = hf_logits(hf, ids)
-        mine = lib_logits(sd, shapes, ids, trace=t, cap=None)
-        x = torch.randn(1, PROMPT_LEN, 32)
-        _, hf_w, hf_ids = hf.model.layers[1].router(x.reshape(-1, 32))
-        ids_, w_ = gemma4_router(x, hf_moe_branch(sd.__getitem__, "model.layers.1"), 2, EPS)
-    assert (mine - ref).abs().max() < 1e-4
-    assert (ids_.reshape(-1, 2) == hf_ids).all()
-    assert (w_.reshape(-1, 2) - hf_w).abs().max() < TOL
-    assert t["layers.1.moe.expert_out"].shape == (1, PROMPT_LEN, 2, 32)
-    chosen = t["layers.0.moe.experts_chosen"]
-    assert len(chosen.unique()) > 2  # positions go to different experts
-
-
-@pytest.mark.parametrize("piece", ["expert_scale", "router_scale", "dense", "experts"])
-def test_moe_piece_off_moves_the_logits(moe_model, piece, monkeypatch):
-    hf, sd, shapes = moe_model
-    ids = ids_of()
-    sd = dict(sd)
-    for i in range(3):
-        p = f"model.layers.{i}."
-        if piece == "expert_scale":
-            sd[p + "router.per_expert_scale"] = torch.ones(6)
-        if piece == "router_scale":
-            sd[p + "router.scale"] = torch.ones(32)
-        if piece == "experts":  # the dense MLP alone
-            sd[p + "post_feedforward_layernorm_2.weight"] = torch.zeros(32)
-        if piece == "dense":
-            sd[p + "post_feedforward_layernorm_1.weight"] = torch.zeros(32)
-    with torch.no_grad():
-        off = lib_logits(sd, shapes, ids, cap=None)
-        ref = hf_logits(hf, ids)
-    assert (off - ref).abs().max() > 100 * 1e-4, piece
-
-
-def test_moe_names_on_disk(tmp_path, moe_model):
-    """Fused on disk as in memory: gate_up_proj [E, 2F, D], gate rows first."""
-    hf, _, _ = moe_model
-    hf.save_pretrained(tmp_path)
-    sd = load_file(tmp_path / "model.safetensors")
-    p = "model.layers.0."
-    assert sd[p + "experts.gate_up_proj"].shape == (6, 24, 32)
-    assert sd[p + "experts.down_proj"].shape == (6, 32, 12)
-    assert sd[p + "router.proj.weight"].shape == (6, 32)
-    assert sd[p + "router.scale"].shape == (32,) and sd[p + "router.per_expert_scale"].shape \
-        == (6,)
-    for n in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
-              "pre_feedforward_layernorm_2"):
-        assert sd[f"{p}{n}.weight"].shape == (32,)
-    assert "model.embed_tokens_per_layer.weight" not in sd  # hidden_size_per_layer_input 0

@@ -1,6 +1,7 @@
-"""Multi-head latent attention (mla.py) against HF transformers' own DeepseekV3Attention (with
-q_lora_rank) and DeepseekV2Attention (V2-Lite's form: one q_proj, complex RoPE), with and without
-YaRN, prefill then decode through the latent cache; DeepSeek-V3's MoE (moe.py) against
+"""Multi-head latent attention (mla.py's part, `LatentAttention`, built from a `Config` of the
+dims under test) against HF transformers' own DeepseekV3Attention (with q_lora_rank) and
+DeepseekV2Attention (V2-Lite's form: one q_proj, complex RoPE), with and without YaRN, prefill
+then decode through the latent cache; DeepSeek-V3's MoE (moe.py) against
 DeepseekV3MoE, with a negative control for each routing detail; records on meta; the names on
 disk; the cache's bytes per token; the appendix's toy latent."""
 
@@ -22,9 +23,13 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Atte
 from llmtrace.mechanisms import mla
 from llmtrace.mechanisms.moe import MlpWeights, MoeWeights, hf_moe_weights, moe_mlp, moe_params
 from llmtrace.attention import Positions, causal_mask
+from llmtrace.config import Config
 from llmtrace.errors import LlmTraceError
-from llmtrace.mechanisms.mla import (LatentCache, MlaDims, MlaWeights, cache_bytes_per_token,
-                          hf_mla_weights, mla_attention, mla_params, mla_softmax_scale)
+from llmtrace.mechanisms.mla import (LatentAttention, LatentCache, MlaDims, MlaWeights,
+                                     cache_bytes_per_token, hf_mla_weights, mla_params,
+                                     mla_softmax_scale)
+from llmtrace.mechanisms.yarn import yarn_cos_sin
+from llmtrace.model import LayerWeights
 from llmtrace.rope import rope_cos_sin
 from llmtrace.trace import Trace
 
@@ -87,10 +92,30 @@ def _dims(c, version, interleave=True) -> MlaDims:
 
 
 def _positions(start, T, d: MlaDims, device=None):
+    """RoPE's tables of the rotated part (DR wide), YaRN's where the dims' scaling says so."""
     s = d.rope_scaling
     theta = 10000.0
-    cos, sin = rope_cos_sin(torch.arange(start, start + T, device=device), DR, theta, s)
+    rope = yarn_cos_sin if dict(s).get("rope_type") == "yarn" else rope_cos_sin
+    cos, sin = rope(torch.arange(start, start + T, device=device), d.qk_rope_head_dim, theta, s)
     return Positions(start, cos, sin, causal_mask(T, start + T, start, device))
+
+
+def _attention(d: MlaDims, hidden=D) -> LatentAttention:
+    """The latent attention part of a one-layer DeepSeek config with exactly these dims."""
+    c = Config("mla-test", vocab_size=64, hidden_size=hidden, n_layers=1, n_heads=d.n_heads,
+               n_kv_heads=d.n_heads, ffn_size=8, max_positions=640, family="deepseek_v3",
+               head_dim=d.qk_rope_head_dim, kv_lora_rank=d.kv_lora_rank,
+               q_lora_rank=d.q_lora_rank or 0, qk_nope_head_dim=d.qk_nope_head_dim,
+               v_head_dim=d.v_head_dim, rope_interleave=d.rope_interleave,
+               rope_scaling=d.rope_scaling)
+    attn = LatentAttention(c, 0)
+    assert attn.dims == d  # the config says what the dims say, nothing more
+    return attn
+
+
+def _layer(w: MlaWeights) -> LayerWeights:
+    """A layer's weights holding these latent attention weights (the part reads `w.mla`)."""
+    return LayerWeights(mla=w)
 
 
 def _xs(seed=1):
@@ -103,6 +128,7 @@ def _run_both(version, q_lora, rope, interleave=True, dims=None, seed=0):
     outputs of every step, both caches, our traces."""
     attn, rot, c = _hf_attention(version, q_lora, rope, interleave, seed)
     w, d = _weights(attn), dims or _dims(c, version, interleave)
+    ours = _attention(d)
     xs = _xs()
     hf_cache, ours_cache = DynamicCache(), LatentCache(PREFILL + STEPS, R, DR, batch=B)
     steps = [(0, PREFILL)] + [(PREFILL + i, 1) for i in range(STEPS)]
@@ -116,8 +142,8 @@ def _run_both(version, q_lora, rope, interleave=True, dims=None, seed=0):
                           cache=hf_cache)
             want.append(out)
             tr = Trace()
-            got.append(mla_attention(x, w, d, _positions(start, T, d), ours_cache, tr,
-                                     "layers.0.attn"))
+            got.append(ours(x, _layer(w), _positions(start, T, d), ours_cache, tr,
+                            "layers.0.attn"))
             traces.append(tr)
     return got, want, hf_cache, ours_cache, traces
 
@@ -223,17 +249,17 @@ def _meta(w: MlaWeights) -> MlaWeights:
 def test_meta_records_match_real(q_lora):
     attn, _, c = _hf_attention(3, q_lora, "yarn")
     w, d = _weights(attn), _dims(c, 3)
+    ours = _attention(d)
     rows = {}
     for device in ("cpu", "meta"):
-        weights = w if device == "cpu" else _meta(w)
+        weights = _layer(w if device == "cpu" else _meta(w))
         cache = LatentCache(PREFILL + 1, R, DR, batch=B, device=device)
         x = _xs().to(device)
         tr = Trace()
         with torch.no_grad():
-            mla_attention(x[:, :PREFILL], weights, d, _positions(0, PREFILL, d, device), cache,
-                          tr)
-            mla_attention(x[:, PREFILL:PREFILL + 1], weights, d,
-                          _positions(PREFILL, 1, d, device), cache, tr, "step")
+            ours(x[:, :PREFILL], weights, _positions(0, PREFILL, d, device), cache, tr)
+            ours(x[:, PREFILL:PREFILL + 1], weights, _positions(PREFILL, 1, d, device), cache,
+                 tr, "step")
         rows[device] = [(r.name, r.shape, r.dtype, r.macs) for r in tr]
     assert rows["cpu"] == rows["meta"]
     assert len(rows["cpu"]) == 2 * (23 if q_lora else 20)
@@ -241,14 +267,15 @@ def test_meta_records_match_real(q_lora):
 
 def test_cache_refuses_past_its_length_and_a_pass_without_it():
     attn, _, c = _hf_attention(3, True, "default")
-    w, d = _weights(attn), _dims(c, 3)
+    w, d = _layer(_weights(attn)), _dims(c, 3)
+    ours = _attention(d)
     x = _xs()
     with pytest.raises(LlmTraceError, match="the latent cache holds 4 positions, this step "
                        "needs 7: make it with max_len 7 or larger"):
-        mla_attention(x[:, :PREFILL], w, d, _positions(0, PREFILL, d), LatentCache(4, R, DR, B))
+        ours(x[:, :PREFILL], w, _positions(0, PREFILL, d), LatentCache(4, R, DR, B))
     with pytest.raises(LlmTraceError, match="a pass starting at position 7 reads the earlier "
                        "ones from a latent cache"):
-        mla_attention(x[:, :1], w, d, _positions(PREFILL, 1, d))
+        ours(x[:, :1], w, _positions(PREFILL, 1, d))
 
 
 def test_dims_refused_by_name():
@@ -483,7 +510,7 @@ def test_weights_from_names_on_disk(version, tmp_path):
     with torch.no_grad():
         want, _ = layer.self_attn(x, position_embeddings=model.model.rotary_emb(x, ids),
                                   attention_mask=mask)
-        got = mla_attention(x, w, d, _positions(0, PREFILL, d))
+        got = _attention(d)(x, _layer(w), _positions(0, PREFILL, d))
     assert (got - want).abs().max() < TOL
     assert mla_params(w) == sum(t.numel() for t in layer.self_attn.parameters())
     # the MoE layer, from the names on disk: V3's router, V2-Lite's (greedy softmax, no
@@ -554,7 +581,7 @@ def test_toy_latent_rank_2_rebuilds_k_and_v_of_4_tokens():
     x = torch.randn(1, 4, dm, generator=g)
     tr = Trace()
     pos = Positions(0, *rope_cos_sin(torch.arange(4), dr, 10000.0), causal_mask(4, 4, 0))
-    mla_attention(x, w, d, pos, trace=tr)
+    _attention(d, hidden=dm)(x, _layer(w), pos, trace=tr)
     W_down, W_uk, W_uv = w.kv_a[:r], w.kv_b[:dk], w.kv_b[dk:]
     c = toy_compress(x[0], W_down)  # [4, 2]
     torch.testing.assert_close(c, tr["attn.latent"][0])
@@ -589,7 +616,8 @@ def test_deepseek_v3_layers_on_meta():
     pos = Positions(0, *rope_cos_sin(torch.arange(T, device="meta"), dr, 10000.0),
                     causal_mask(T, T, 0, "meta"))
     tr, x = Trace(), empty(1, T, D)
-    mla_attention(x, w, d, pos, LatentCache(T, Rf, dr, device="meta"), tr, "layers.3.attn")
+    _attention(d, hidden=D)(x, _layer(w), pos, LatentCache(T, Rf, dr, device="meta"), tr,
+                            "layers.3.attn")
     moe_mlp(x, m, k, router="sigmoid_group", n_group=c.n_group, topk_group=c.topk_group,
             scaling=c.routed_scaling_factor, trace=tr, name="layers.3.mlp")
     assert tr.shape("layers.3.attn.kv_cache.latent") == (1, T, 512)

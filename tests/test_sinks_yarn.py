@@ -1,10 +1,10 @@
 """gpt-oss's attention pieces and SmolLM3's NoPE layers, each against Hugging Face transformers'
-own code: learned attention sinks (`attend(..., sinks=)`) against gpt-oss's
-`eager_attention_forward`, YaRN RoPE scaling (`rope_cos_sin` with rope_type "yarn") against
-`_compute_yarn_parameters` and gpt-oss's rotary embedding, and a layer without RoPE
-(`Positions.rope = False`) that leaves q and k as projected."""
+own code: learned attention sinks (the `mix` step of an attention part with `Sinks`, and
+`Windowed` for a sliding layer) against gpt-oss's `eager_attention_forward`, YaRN RoPE scaling
+(`mechanisms.yarn`: `yarn_frequencies`, `yarn_cos_sin`) against `_compute_yarn_parameters` and
+gpt-oss's rotary embedding, and a layer without RoPE (the `Unturned` part) that leaves q and k
+as projected."""
 
-import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -15,9 +15,12 @@ from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import (GptOssRotaryEmbedding,
                                                           eager_attention_forward)
 
-from llmtrace import LlmTraceError, load_model
-from llmtrace.attention import Positions, attend, attention, causal_mask, repeat_kv, window_mask
-from llmtrace.rope import rope_attention_factor, rope_cos_sin, rope_frequencies
+from llmtrace import Config, LlmTraceError, load_model
+from llmtrace.attention import Attention, Positions, causal_mask, repeat_kv
+from llmtrace.mechanisms import part
+from llmtrace.mechanisms.attention_steps import Sinks, Unturned, Windowed, window_mask
+from llmtrace.mechanisms.yarn import rope_attention_factor, yarn_cos_sin, yarn_frequencies
+from llmtrace.rope import rope_cos_sin, rope_frequencies
 from llmtrace.trace import Trace
 
 TOL = 1e-6
@@ -40,10 +43,25 @@ def hf_sink_attention(q, k, v, sinks, mask):
     return eager_attention_forward(module, q, k, v, mask[None, None], HD**-0.5)
 
 
-def ours(q, k, v, sinks, mask, window=None, start=0):
+def config(window=0):
+    """A one-layer config of these heads; window: a sliding window of that width."""
+    return Config("sinks-test", vocab_size=8, hidden_size=H * HD, n_layers=1, n_heads=H,
+                  n_kv_heads=KV, ffn_size=8, max_positions=64, head_dim=HD,
+                  sliding_window=window, attn_sinks=True)
+
+
+def pass_at(start, device=None):
+    """The pass's positions: T queries after `start` cached ones, its causal mask [T, S]."""
+    return Positions.of(start, T, config(), device)
+
+
+def ours(q, k, v, sinks, window=0, start=0):
+    """gpt-oss's attention steps from the scores on (`mix`: its Sinks, a Windowed part if the
+    layer slides) over k, v expanded to every query head."""
     trace = Trace()
-    out = attend(q, repeat_kv(k, H // KV), repeat_kv(v, H // KV), mask, trace, "attn", start,
-                 window, 0.0, sinks)  # [B, H, T, hd]
+    attn = part(Sinks, window and Windowed, Attention)(config(window))
+    out = attn.mix(q, repeat_kv(k, H // KV), repeat_kv(v, H // KV), SimpleNamespace(sinks=sinks),
+                   pass_at(start), trace, "attn")  # [B, H, T, hd]
     return out, trace
 
 
@@ -63,19 +81,21 @@ def test_sinks_match_hf(kind):
     window = window_mask(T, S, start, W) if W else None
     full = causal + window if W else causal
     ref_out, ref_w = hf_sink_attention(q, k, v, sinks, full)
-    out, trace = ours(q, k, v, sinks, causal, window, start)
+    out, trace = ours(q, k, v, sinks, W or 0, start)
+    assert torch.equal(trace["attn.causal_mask"], causal)  # the mask HF was given
     assert (trace["attn.weights"] - ref_w).abs().max().item() < TOL
     assert (out.transpose(1, 2) - ref_out).abs().max().item() < TOL
     assert trace.shape("attn.scores_with_sink") == (B, H, T, S + 1)
     assert trace.shape("attn.weights_with_sink") == (B, H, T, S + 1)
     assert trace.shape("attn.weights") == (B, H, T, S)
     if W:  # the window's keys get no weight, and the sink keeps its share
+        assert torch.equal(trace["attn.window_mask"], full)
         assert torch.all(trace["attn.weights"][..., full == float("-inf")] == 0)
 
 
 def test_rows_sum_below_one_by_the_sink_column():
     q, k, v, sinks = random_attention(2)
-    _, trace = ours(q, k, v, sinks, causal_mask(T, T, 0))
+    _, trace = ours(q, k, v, sinks)
     rows = trace["attn.weights"].sum(-1)  # [B, H, T]
     sink = trace["attn.weights_with_sink"][..., -1]  # [B, H, T]
     assert torch.all(rows < 1) and torch.all(sink > 0)
@@ -89,30 +109,37 @@ def test_ignoring_the_sinks_moves_the_weights():
     mask = causal_mask(T, T, 0)
     _, ref_w = hf_sink_attention(q, k, v, sinks, mask)
     trace = Trace()
-    attend(q, repeat_kv(k, H // KV), repeat_kv(v, H // KV), mask, trace)
+    Attention(config()).mix(q, repeat_kv(k, H // KV), repeat_kv(v, H // KV),
+                            SimpleNamespace(sinks=sinks), pass_at(0), trace, "attn")
     assert (trace["attn.weights"] - ref_w).abs().max().item() > 100 * TOL
     assert "attn.weights_with_sink" not in trace.names
 
 
-def test_without_sinks_attend_records_what_it_did():
-    """sinks=None leaves attend as it was: the same record names, ops and values."""
+def test_without_sinks_the_attention_records_what_it_did():
+    """attn_sinks off: no Sinks in the part, and its steps are Llama's: the same record
+    names and ops, and the values of softmax(q k^T / sqrt(hd) + mask) v."""
+    assert part(config().replace(attn_sinks=False).attn_sinks and Sinks, Attention) is Attention
     q, k, v, _ = random_attention(4)
+    k, v = k[:, :1].expand(B, H, T, HD), v[:, :1].expand(B, H, T, HD)
     mask = causal_mask(T, T, 0)
-    a, b = Trace(), Trace()
-    attend(q, k[:, :1].expand(B, H, T, HD), v[:, :1].expand(B, H, T, HD), mask, a)
-    attend(q, k[:, :1].expand(B, H, T, HD), v[:, :1].expand(B, H, T, HD), mask, b, sinks=None)
-    assert a.names == b.names == ["attn.scores", "attn.causal_mask", "attn.masked_scores",
-                                      "attn.weights", "attn.weighted_sum"]
-    assert [r.op for r in a.records] == [r.op for r in b.records]
-    assert a.get("attn.weights").op == "softmax over keys (rows sum to 1)"
-    assert all(torch.equal(a[n], b[n]) for n in a.names)
+    a = Trace()
+    out = Attention(config()).mix(q, k, v, SimpleNamespace(sinks=None), pass_at(0), a, "attn")
+    assert a.names == ["attn.scores", "attn.causal_mask", "attn.masked_scores",
+                       "attn.weights", "attn.weighted_sum"]
+    assert [r.op for r in a.records] == [
+        f"q @ k^T / sqrt({HD})", "0 where key <= query position, -inf after (0 cached)",
+        "scores + causal_mask", "softmax over keys (rows sum to 1)", "weights @ v"]
+    weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(HD) + mask, dim=-1)
+    assert (a["attn.weights"] - weights).abs().max().item() < TOL
+    assert (out - weights @ v).abs().max().item() < TOL
 
 
 def test_sinks_on_the_meta_device():
     q, k, v, sinks = (t.to("meta") for t in random_attention(5))
     trace = Trace(keep_values=False)
-    out = attend(q, repeat_kv(k, H // KV), repeat_kv(v, H // KV),
-                 causal_mask(T, T, 0, "meta"), trace, sinks=sinks)
+    out = part(Sinks, Attention)(config()).mix(
+        q, repeat_kv(k, H // KV), repeat_kv(v, H // KV), SimpleNamespace(sinks=sinks),
+        pass_at(0, "meta"), trace, "attn")
     assert out.shape == (B, H, T, HD) and out.device.type == "meta"
     assert trace.shape("attn.weights_with_sink") == (B, H, T, T + 1)
     assert trace.shape("attn.weights") == (B, H, T, T)
@@ -152,10 +179,10 @@ def test_yarn_matches_hf(name):
     pairs = tuple(sorted(s.items()))
     config = hf_config(head_dim, theta, s)
     inv_freq, factor = _compute_yarn_parameters(config)
-    assert (rope_frequencies(head_dim, theta, None, pairs) - inv_freq).abs().max() < TOL
+    assert (yarn_frequencies(head_dim, theta, dict(pairs)) - inv_freq).abs().max() < TOL
     assert rope_attention_factor(dict(pairs)) == pytest.approx(factor, abs=TOL)
     p = positions()
-    cos, sin = rope_cos_sin(p, head_dim, theta, pairs)  # [T, hd] each
+    cos, sin = yarn_cos_sin(p, head_dim, theta, pairs)  # [T, hd] each
     ref_cos, ref_sin = GptOssRotaryEmbedding(config)(torch.zeros(1), p[None])  # [1, T, hd/2]
     half = head_dim // 2
     for ours_, ref in ((cos, ref_cos[0]), (sin, ref_sin[0])):
@@ -172,7 +199,7 @@ def test_yarn_blends_between_interpolated_and_extrapolated():
     and its attention factor 0.1 ln 32 + 1 on both tables."""
     head_dim, theta, s = YARN["gpt-oss-20b"]
     plain = rope_frequencies(head_dim, theta)
-    yarn = rope_frequencies(head_dim, theta, None, tuple(sorted(s.items())))
+    yarn = yarn_frequencies(head_dim, theta, s)
     assert yarn[0] == plain[0] and (yarn[-1] / (plain[-1] / 32) - 1).abs() < 1e-6
     assert torch.all(yarn <= plain) and torch.all(yarn >= plain / 32 * (1 - 1e-6))
     assert rope_attention_factor(s) == pytest.approx(0.1 * math.log(32) + 1)
@@ -180,7 +207,7 @@ def test_yarn_blends_between_interpolated_and_extrapolated():
 
 def test_yarn_on_the_meta_device():
     head_dim, theta, s = YARN["gpt-oss-20b"]
-    cos, sin = rope_cos_sin(torch.arange(5, device="meta"), head_dim, theta,
+    cos, sin = yarn_cos_sin(torch.arange(5, device="meta"), head_dim, theta,
                             tuple(sorted(s.items())))
     assert cos.shape == sin.shape == (5, head_dim) and cos.device.type == "meta"
 
@@ -194,7 +221,7 @@ def test_yarn_on_the_meta_device():
 def test_a_yarn_setting_not_computed_is_refused_by_its_key(extra, says):
     pairs = tuple(sorted({**GPT_OSS_20B, **extra}.items()))
     with pytest.raises(LlmTraceError, match=says) as e:
-        rope_cos_sin(positions(), 64, 150_000.0, pairs)
+        yarn_cos_sin(positions(), 64, 150_000.0, pairs)
     assert "\n" not in str(e.value)
 
 
@@ -206,17 +233,17 @@ def embedded():
 
 
 def test_a_layer_without_rope_leaves_q_and_k_as_projected(embedded):
-    """SmolLM3's NoPE layers: with pos.rope False, the q and k the attention scores are the
-    projections' heads, and the rope records say so; with RoPE, they are turned."""
+    """SmolLM3's NoPE layers: with the Unturned part, the q and k the attention scores are the
+    projections' heads, and the rope records say so; with RoPE (Llama's part), they are
+    turned."""
     m = embedded
     ids = m.encode("The capital of France is")
     x = torch.nn.functional.embedding(ids, m.weights.embed)  # [1, T, D]
-    pos = Positions.of(0, ids.shape[1], m.config)
+    pos = m.positions(0, ids.shape[1])
     lw = m.weights.layers[0]
     nope, rope = Trace(), Trace()
-    out = attention(x, lw, m.config,
-                    dataclasses.replace(pos, rope=False), None, nope)
-    attention(x, lw, m.config, pos, None, rope)
+    out = part(Unturned, Attention)(m.config, 0)(x, lw, pos, None, nope)
+    Attention(m.config, 0)(x, lw, pos, None, rope)
     for qk in ("q", "k"):
         assert torch.equal(nope[f"attn.rope_{qk}"], nope[f"attn.{qk}"])
         assert nope.get(f"attn.rope_{qk}").op == f"no RoPE on this layer: {qk} unturned"

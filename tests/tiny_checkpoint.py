@@ -46,7 +46,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                "original_max_position_embeddings": 64}
 SHARP = {**TINY, "initializer_range": 0.1}
 QK_NORM = frozenset({"attn.q_norm.mean_sq", "attn.q_norm", "attn.k_norm.mean_sq", "attn.k_norm"})
-# a mixture of experts' records in place of the dense MLP's (moe.py)
+# a mixture of experts' records in place of the dense MLP's (mechanisms/moe.py)
 MOE = frozenset({"mlp.router", "mlp.router_probs", "mlp.experts_chosen", "mlp.expert_weights",
                  "mlp.expert_out", "mlp.out"})
 DENSE_MLP = frozenset({"mlp.gate", "mlp.up", "mlp.act", "mlp.gated", "mlp.down"})
@@ -138,6 +138,13 @@ ROWS = {
                     "num_experts_per_tok": 2},
                    off=({"moe_renormalize": False}, {"sliding_window": 0}),
                    records=MOE | {"attn.window_mask"}, lacks=DENSE_MLP),
+    # OLMoE: OLMo 2's QK-norm over the whole projection on Llama's pre-norm block, 4 experts of
+    # width 48 in every layer, 2 chosen, norm_topk_prob false as OLMoE-1B-7B
+    "olmoe": Row("OlmoeConfig", "OlmoeForCausalLM",
+                 {**SHARP, "intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2,
+                  "norm_topk_prob": False, "pad_token_id": 0},
+                 off=({"qk_proj_norm": False}, {"moe_renormalize": True}),
+                 records=QK_NORM | MOE, lacks=DENSE_MLP),
     # Qwen3-MoE as published: norm_topk_prob true, experts in every layer
     "qwen3_moe": Row("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**QWEN3_MOE,
                                                                "norm_topk_prob": True},

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from .attention import Attention, Positions
 from .block import Block
 from .check import check_ids
-from .config import Config
+from .config import FIELD_DEFAULTS, Config
 from .embed import embed
 from .errors import LlmTraceError
 from .kv_cache import KVCache
@@ -147,6 +147,8 @@ class Model:
     the class of `config.family` (the subclass a family's module declares with
     `class Gemma3(Model, family="gemma3_text")`, overriding the parts it changes)."""
     families: dict[str, type] = {}  # model_type -> its Model subclass (families/)
+    family_fields: tuple = ()  # the fields of Config only some families compute (families/)
+    computes: frozenset = frozenset()  # those this model's family computes (families/)
     norm = staticmethod(rms_norm)  # the model's RMSNorm: every block's, and the final one
 
     def __init_subclass__(cls, family: str | None = None, **kwargs):
@@ -157,7 +159,19 @@ class Model:
     def __new__(cls, config: Config | None = None, *args, **kwargs):
         if cls is Model and config is not None:
             cls = Model.families.get(config.family, Model)
+            cls.check_fields(config)
         return super().__new__(cls)
+
+    @classmethod
+    def check_fields(cls, c: Config) -> None:
+        """Refuse a field set that this family's model computes nowhere: it would be ignored."""
+        for name in Model.family_fields:
+            value = getattr(c, name)
+            if name not in cls.computes and value != FIELD_DEFAULTS[name]:
+                raise LlmTraceError(f"config {c.name!r}: {name}={value!r} is computed by no "
+                                    f"part of the model of family {c.family!r}: leave it at "
+                                    f"{FIELD_DEFAULTS[name]!r}, or set family to one that "
+                                    f"computes it")
 
     def __init__(self, config: Config, weights: Weights, tokenizer=None, source: str = ""):
         self.config = config

@@ -3,9 +3,6 @@
 import torch
 import torch.nn.functional as F
 
-from llmtrace.attention import Positions
-from llmtrace.model import attn_sublayer, mlp_sublayer
-
 from .ch06_attention import attention_from_weights, attention_variant, two_layers
 from .ch07_ffn import activation
 from .registry import Case, exercise, run, stream_into, trace_of
@@ -81,23 +78,26 @@ RESIDUAL_HINTS = {
 
 def sublayers(model, i: int):
     """Layer i's attention, MLP and norms as functions [B, T, D] -> [B, T, D], the library's
-    own (no cache: the prompt's positions only)."""
-    from llmtrace.norm import rms_norm
+    own: the parts of its block, `model.blocks[i]` (no cache: the prompt's positions only).
+    What each sublayer adds to the stream includes the norm after it where the block has one
+    (`config.sandwich_norm`: the block applies it before the residual add)."""
+    c, block, lw = model.config, model.blocks[i], model.weights.layers[i]
 
-    c, lw = model.config, model.weights.layers[i]
+    def after(h, weight):  # [B, T, D]: the norm after a sublayer, where the block has one
+        return block.norm(h, weight, block.eps) if c.sandwich_norm else h
 
     def attn(h):  # [B, T, D]
-        pos = Positions.of(0, h.shape[1], c, h.device)
-        return attn_sublayer(h, lw, c, pos.local if pos.local and c.is_sliding(i) else pos)
+        pos = model.positions(0, h.shape[1])
+        return after(block.attn(h, lw, pos), lw.post_attn_norm)
 
     def mlp(h):
-        return mlp_sublayer(h, lw, c)
+        return after(block.mlp(h, lw), lw.post_mlp_norm)
 
     def norm1(h):
-        return rms_norm(h, lw.attn_norm, c.norm_eps, offset=c.norm_offset)
+        return block.norm(h, lw.attn_norm, block.eps)
 
     def norm2(h):
-        return rms_norm(h, lw.mlp_norm, c.norm_eps, offset=c.norm_offset)
+        return block.norm(h, lw.mlp_norm, block.eps)
     return attn, mlp, norm1, norm2
 
 

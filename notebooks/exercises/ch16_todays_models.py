@@ -8,8 +8,11 @@ import torch
 
 from llmtrace.attention import repeat_kv
 from llmtrace.config import Config
+from llmtrace.attention import Attention
+from llmtrace.mechanisms import part
+from llmtrace.mechanisms.attention_steps import Sinks, Unturned, Windowed
+from llmtrace.mechanisms.moe import MoE, MoeWeights
 from llmtrace.model import Model, Weights, weights_from_state_dict
-from llmtrace.mechanisms.moe import MoeWeights
 from llmtrace.trace import Trace
 from llmtrace.weights.names import expected_shapes
 
@@ -17,6 +20,29 @@ from .registry import PROMPT, Case, caller, exercise
 from .verdicts import shape, tensor_compare, tuple_compare
 
 WINDOW = 3  # the window the mask is checked with: shorter than any prompt here
+
+
+def with_parts(model: Model, config: Config, weights: Weights, step=None, layers=None,
+               mlp=None) -> Model:
+    """A model of the running model's family (its class: its norms, embedding, positions and
+    parts) on `config` and `weights`, given what that family's HF class may not compute, as a
+    family's module adds it: `step`, one step of `mechanisms.attention_steps` (a window,
+    sinks, no RoPE), mixed into the attention of `layers` (None: every layer) by `part`, where
+    the family's own attention lacks it; `mlp`, a part class (`MoE`) in place of every MLP."""
+    family = type(model)
+
+    class Given(family):
+        def attention(self, i):
+            attn = super().attention(i)
+            if step is None or isinstance(attn, step) or not isinstance(attn, Attention) \
+                    or layers is not None and i not in layers:
+                return attn
+            return part(step, type(attn))(self.config, i)
+
+        def mlp(self, i):
+            return super().mlp(i) if mlp is None else mlp(self.config, i)
+
+    return Given(config, weights, model.tokenizer)
 
 
 def sliding_window_mask(T: int, start: int, window: int) -> torch.Tensor:
@@ -33,12 +59,13 @@ def sliding_window_mask(T: int, start: int, window: int) -> torch.Tensor:
 @exercise(16, sliding_window_mask)
 def _(model) -> Case:
     """The masks the running model's layer 0 records when its config is given a window: the
-    prefill of the prompt, then one decode step reading the cache."""
+    prefill of the prompt, then one decode step reading the cache. A family whose attention
+    has no window (Llama's) is given Mistral's step, `Windowed`."""
     c = model.config
     every = {"layer_types": ()} if c.layer_types else {}  # every layer slides
     first = dataclasses.replace(model.weights, layers=model.weights.layers[:1])  # layer 0 alone
-    windowed = Model(c.replace(sliding_window=WINDOW, n_layers=1, no_rope_layers=(), **every),
-                     first, model.tokenizer)
+    one = c.replace(sliding_window=WINDOW, n_layers=1, no_rope_layers=(), **every)
+    windowed = with_parts(model, one, first, step=Windowed)
     ids = model.encode(PROMPT)  # [1, T]
     T, name = ids.shape[1], "layers.0.attn.window_mask"
     cache = windowed.new_cache(T + 1)
@@ -89,8 +116,8 @@ def choose_experts(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
 def moe_of_layer_0(model) -> Model:
     """The running model's layer 0 with its MLP cut into EXPERTS experts (expert e: the e-th
     quarter of the gate and up rows, and of down's columns) and a router whose row e is the
-    mean of expert e's gate rows: a mixture of experts built from the library's pieces,
-    run as Mixtral runs it."""
+    mean of expert e's gate rows: a mixture of experts built from the library's pieces
+    (`mechanisms.moe.MoE` in the MLP's place), run as Mixtral runs it."""
     c, w = model.config, model.weights
     lw = w.layers[0]
     F = c.ffn_size // EXPERTS  # each expert's width; a remainder of rows is left out
@@ -102,7 +129,8 @@ def moe_of_layer_0(model) -> Model:
     config = c.replace(n_layers=1, layer_types=c.layer_types[:1], n_experts=EXPERTS,
                        no_rope_layers=c.no_rope_layers[:1],
                        n_experts_active=CHOSEN, moe_ffn_size=F)
-    return Model(config, Weights(w.embed, [layer], w.final_norm, w.lm_head), model.tokenizer)
+    return with_parts(model, config, Weights(w.embed, [layer], w.final_norm, w.lm_head),
+                      mlp=MoE)
 
 
 @exercise(16, choose_experts)
@@ -160,7 +188,8 @@ def _(model) -> Case:
     c = model.config
     every = min(4, c.n_layers)
     flags = tuple(int((i + 1) % every != 0) for i in range(c.n_layers))
-    nope = Model(c.replace(no_rope_layers=flags), model.weights, model.tokenizer)
+    nope = with_parts(model, c.replace(no_rope_layers=flags), model.weights, step=Unturned,
+                      layers=[i for i in range(c.n_layers) if not flags[i]])
     step = "q_norm" if c.qk_norm else "q"
     names = [f"layers.{i}.attn.{n}" for i in range(c.n_layers) for n in (step, "rope_q")]
     _, trace = nope.run(PROMPT, names=names)
@@ -196,11 +225,12 @@ def rebuild_kv(latent: torch.Tensor, kv_b: torch.Tensor, n_heads: int,
 @exercise(16, rebuild_kv)
 def _(model) -> Case:
     """The running model's layer-0 input (its normed stream for the prompt) through a latent
-    attention layer of random weights of the running model's width, built from the library's
-    pieces (mla.py): the cached latents it records, its kv_b_proj weight, and the keys and
-    values it rebuilt from them."""
+    attention layer of random weights of the running model's width, the library's own
+    (`mechanisms.mla.LatentAttention`, of a one-layer DeepSeek-V3 config): the cached latents
+    it records, its kv_b_proj weight, and the keys and values it rebuilt from them."""
     from llmtrace.attention import Positions
-    from llmtrace.mechanisms.mla import MlaDims, MlaWeights, mla_attention
+    from llmtrace.mechanisms.mla import LatentAttention, MlaWeights
+    from llmtrace.model import LayerWeights
 
     D = model.config.hidden_size
     H, R, dn, dr, dv = 4, 16, 8, 4, 6
@@ -211,13 +241,17 @@ def _(model) -> Case:
 
     w = MlaWeights(kv_a=rand(R + dr, D), kv_a_norm=torch.ones(R), kv_b=rand(H * (dn + dv), R),
                    o_proj=rand(D, H * dv), q_proj=rand(H * (dn + dr), D))
-    d = MlaDims(H, R, dn, dr, dv)
     _, trace = model.run(model.encode(PROMPT), names=["layers.0.attn_norm"])
     x = trace["layers.0.attn_norm"]  # [1, T, D]
     T = x.shape[1]
-    pos = Positions.of(0, T, model.config.replace(head_dim=dr), x.device)
+    c = Config("latent-attention", vocab_size=model.config.vocab_size, hidden_size=D,
+               n_layers=1, n_heads=H, n_kv_heads=H, ffn_size=4 * D,
+               max_positions=model.config.max_positions, rope_theta=model.config.rope_theta,
+               head_dim=dr, family="deepseek_v3", kv_lora_rank=R, qk_nope_head_dim=dn,
+               v_head_dim=dv, rope_interleave=True)  # no q_lora_rank: one q_proj
+    pos = Positions.of(0, T, c, x.device)  # RoPE's tables dr wide
     records = Trace(names=["attn.kv_cache.latent", "attn.k", "attn.v"])
-    mla_attention(x, w, d, pos, trace=records)
+    LatentAttention(c)(x, LayerWeights(mla=w), pos, trace=records)
     latent = records["attn.kv_cache.latent"]  # [1, T, R]
     want = (records["attn.k"][..., :dn], records["attn.v"])  # [1, T, H, dn], [1, T, H, dv]
 
@@ -264,7 +298,7 @@ def _(model) -> Case:
     first = dataclasses.replace(model.weights, layers=[layer])
     names = ["layers.0.attn.scores", "layers.0.attn.weights"]
     trace = Trace(names=names)
-    Model(one, first, model.tokenizer).forward(model.encode(PROMPT), trace)
+    with_parts(model, one, first, step=Sinks).forward(model.encode(PROMPT), trace)
     scores = trace[names[0]][0, :, -1]  # [H, S]: the last query sees every key
     want = 1 - trace[names[1]][0, :, -1].sum(-1)  # [H]: what the keys' weights leave out
     return Case(caller(scores, layer.sinks), want,

@@ -111,7 +111,7 @@ class _Lens(torch.nn.Module):
 
     def __init__(self, model: Model):
         super().__init__()
-        self.config = model.config
+        self.config, self.norm = model.config, model.norm
         _buffers(self, {hf_name("final_norm"): model.weights.final_norm,
                         hf_name("embed"): model.weights.lm_head})
 
@@ -124,7 +124,7 @@ class _Lens(torch.nn.Module):
         weights = SimpleNamespace(final_norm=buffers[hf_name("final_norm")],
                                   lm_head=buffers[hf_name("embed")])
         # the model's own head, on the two weights it reads
-        model = SimpleNamespace(weights=weights, config=self.config)
+        model = SimpleNamespace(weights=weights, config=self.config, norm=self.norm)
         grid = grid_of(lambda x: Model.head(model, x), resid[:, 0], self.config.vocab_size)
         return grid.top_ids, grid.top_probs  # [L, T] each
 

@@ -37,6 +37,7 @@ from typing import Callable
 from ..config import FIELD_DEFAULTS, FORMATS, Config, config_problems
 from ..config_checks import YARN_FAMILIES
 from ..errors import LlmTraceError
+from ..model import Model
 from ._read import HFKeys, common_fields, llama_hf, plain_rope, read_hf_config, rope_kind
 
 
@@ -102,6 +103,10 @@ SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "norm_offse
             "n_shared_experts", "moe_groups", "moe_groups_chosen", "moe_scaling",
             "no_rope_layers", "attn_sinks", "o_bias", "swiglu_limit", "swiglu_alpha",
             "attn_output_gate", "partial_rotary_factor", "linear_attn", "shared_ffn_size")
+# each family's model refuses a field of another family set on its config (`Model.check_fields`)
+Model.family_fields = SWITCHES
+for _family in REGISTRY.values():
+    Model.families[_family.model_type].computes = frozenset((*_family.switches, *_family.varies))
 COMPUTED = ("llmtrace computes Llama-family models "
             f"({', '.join(f.label for f in REGISTRY.values())})")
 # model_types refused by name, for what they compute instead of a Llama block
