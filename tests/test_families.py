@@ -13,8 +13,10 @@ import torch
 import transformers
 
 from llmtrace import Config, LlmTraceError, generate, load_model, meta_model
-from llmtrace.attention import causal_mask, window_mask
+from llmtrace.attention import causal_mask
+from llmtrace.mechanisms.attention_steps import chunk_mask, window_mask
 from llmtrace.mechanisms.gemma4 import proportional_frequencies
+from llmtrace.mechanisms.yarn import yarn_frequencies
 from llmtrace.lens import keeps_stream, lens_grid, logit_lens
 from llmtrace.model import Model, estimate_trace_bytes, trace_bytes
 from llmtrace.rope import rope_frequencies
@@ -149,7 +151,9 @@ def test_llama3_frequencies_match_hf(family):
     f, model, hf, _ = family
     c = model.config
     ours = rope_frequencies(c.rotary_dim or c.head_dim, c.rope_theta,
-                            scaling=c.rope_scaling)  # [hd/2] (Qwen3-Next: [rotary_dim/2])
+                            scaling=c.rope_scaling) if c.rope_type != "yarn" else \
+        yarn_frequencies(c.head_dim, c.rope_theta,
+                         dict(c.rope_scaling))  # [hd/2] (Qwen3-Next: [rotary_dim/2])
     if c.global_head_dim:  # Gemma 4: the full layers' wider heads, partly turning
         ours = proportional_frequencies(c.global_head_dim, c.rope_theta, c.rope_partial)
     rotary = hf.model.rotary_emb  # Gemma 3: one set of frequencies per kind of layer
@@ -179,6 +183,22 @@ def test_window_mask_is_hfs_rule(start, T_, w):
     assert [sum(row) for row in seen][-1] == min(w, S)  # the last query sees w keys
 
 
+@pytest.mark.parametrize("start, T_, C", [(0, 11, 4), (11, 1, 4), (12, 1, 4), (7, 3, 2),
+                                          (0, 5, 9)])
+def test_chunk_mask_is_hfs_rule(start, T_, C):
+    """Llama 4's chunks, as HF's `chunked_causal_mask_function`: causal, and in the query's
+    own chunk of C positions (a decode step at 12 starts a chunk: it sees itself alone)."""
+    from transformers.masking_utils import chunked_causal_mask_function
+
+    rule = chunked_causal_mask_function(C, torch.zeros(1, dtype=torch.long))
+    S = start + T_
+    mask = causal_mask(T_, S, start) + chunk_mask(T_, S, start, C)  # [T, S]
+    seen = [[mask[i, j].item() == 0 for j in range(S)] for i in range(T_)]
+    assert seen == [[bool(rule(0, 0, torch.tensor(start + i), torch.tensor(j)))
+                     for j in range(S)] for i in range(T_)]
+    assert sum(seen[-1]) == (S - 1) % C + 1  # the last query: its chunk so far
+
+
 @pytest.mark.parametrize("f", NEW)
 def test_config_round_trip_through_hf(f):
     """to_hf writes what HF's class of the family reads back to the same switches."""
@@ -194,7 +214,10 @@ def test_configs_hf_cannot_compute_are_refused():
     with pytest.raises(LlmTraceError, match=r"rope_scaling=\{'rope_type': 'dynamic'.* is not Llama"):
         Config.from_name("llama-3.2-1b").replace(rope_scaling={"rope_type": "dynamic"})
     with pytest.raises(LlmTraceError, match="rope_scaling of type 'yarn' needs a positive factor"):
-        Config.from_name("llama-3.2-1b").replace(rope_scaling={"rope_type": "yarn"})
+        Config.from_name("gpt-oss-20b").replace(rope_scaling={"rope_type": "yarn"})
+    with pytest.raises(LlmTraceError, match="rope_scaling of type 'yarn' with family 'llama'"):
+        Config.from_name("llama-3.2-1b").replace(rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192})
     with pytest.raises(LlmTraceError, match="qk_norm=True set with family 'llama': HF's Llama"):
         Config.from_name("tinyllama").replace(qk_norm=True).to_hf()
     with pytest.raises(LlmTraceError, match="sliding_window=8 set with family 'qwen3'"):
