@@ -145,6 +145,7 @@ def test_mistral_without_sliding_window_has_hfs_window(ckpt):
 
 
 GEMMA = {"model_type": "gemma3_text", **SHAPES}
+LLAMA4 = {"model_type": "llama4_text"}
 FULL_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 0},
              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
 
@@ -180,6 +181,19 @@ FULL_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 0},
     ({**GEMMA, "attention_bias": True}, "attention_bias=true (projections with a bias vector)"),
     ({"eos_token_id": [2, "x"]}, "eos_token_id must be a token id, a list of them or null"),
     ({"eos_token_id": 60000}, "eos_token_id=60000 is not below vocab_size=60000"),
+    ({"model_type": "llama4"}, "model_type 'llama4' (Llama 4 with its vision tower, "
+                               "Llama4ForConditionalGeneration) is not implemented: llmtrace "
+                               "computes its text model, model_type 'llama4_text'"),
+    ({**LLAMA4, "attn_temperature_tuning": 4},
+     "attn_temperature_tuning must be true or false, got 4"),
+    ({**LLAMA4, "attention_chunk_size": None, "layer_types": ["chunked_attention"] * 2},
+     "layer_types names chunked_attention layers but attention_chunk_size is null"),
+    ({**LLAMA4, "no_rope_layers": [1]}, "no_rope_layers must list 1 (RoPE) or 0 (none) for each "
+                                        "of the 2 layers"),
+    ({**LLAMA4, "moe_layers": [2]}, "moe_layers must list layer indices 0 .. 1"),
+    ({**LLAMA4, "floor_scale": 0}, "floor_scale=0 must be at least 1"),
+    ({**LLAMA4, "num_experts_per_tok": 17},
+     "num_experts_per_tok=17 must lie in 1 .. num_local_experts=16"),
 ])
 def test_a_value_that_makes_no_model_is_refused_by_its_key(settings, says):
     with pytest.raises(LlmTraceError) as err:

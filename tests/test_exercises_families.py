@@ -18,6 +18,8 @@ NOT_EXERCISED = {**{f: "no norm before a sublayer, and the exercises read attn_n
                     for f in ("olmo2", "olmo3")},
                  **{f: "a mixture of experts: the exercises build the dense SwiGLU MLP"
                     for f in ("mixtral", "qwen3_moe", "qwen3_moe_sparse", "gpt_oss", "olmoe")},
+                 "llama4_text": "RoPE on adjacent pairs, chunked and NoPE layers, experts: the "
+                                "exercises build a Llama 2 block",
                  **{f: "latent attention: the exercises build K and V by GQA's projections"
                     for f in ("deepseek_v3", "deepseek_v2")},
                  **{f: "layer 0 is a Gated DeltaNet layer, and the exercises read attention's "

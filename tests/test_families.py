@@ -14,7 +14,7 @@ import transformers
 
 from llmtrace import Config, LlmTraceError, generate, load_model, meta_model
 from llmtrace.attention import causal_mask
-from llmtrace.mechanisms.attention_steps import window_mask
+from llmtrace.mechanisms.attention_steps import chunk_mask, window_mask
 from llmtrace.mechanisms.gemma4 import proportional_frequencies
 from llmtrace.mechanisms.yarn import yarn_frequencies
 from llmtrace.lens import keeps_stream, lens_grid, logit_lens
@@ -181,6 +181,22 @@ def test_window_mask_is_hfs_rule(start, T_, w):
     seen = [[mask[i, j].item() == 0 for j in range(S)] for i in range(T_)]
     assert seen == [[window_rule(start + i, j, w) for j in range(S)] for i in range(T_)]
     assert [sum(row) for row in seen][-1] == min(w, S)  # the last query sees w keys
+
+
+@pytest.mark.parametrize("start, T_, C", [(0, 11, 4), (11, 1, 4), (12, 1, 4), (7, 3, 2),
+                                          (0, 5, 9)])
+def test_chunk_mask_is_hfs_rule(start, T_, C):
+    """Llama 4's chunks, as HF's `chunked_causal_mask_function`: causal, and in the query's
+    own chunk of C positions (a decode step at 12 starts a chunk: it sees itself alone)."""
+    from transformers.masking_utils import chunked_causal_mask_function
+
+    rule = chunked_causal_mask_function(C, torch.zeros(1, dtype=torch.long))
+    S = start + T_
+    mask = causal_mask(T_, S, start) + chunk_mask(T_, S, start, C)  # [T, S]
+    seen = [[mask[i, j].item() == 0 for j in range(S)] for i in range(T_)]
+    assert seen == [[bool(rule(0, 0, torch.tensor(start + i), torch.tensor(j)))
+                     for j in range(S)] for i in range(T_)]
+    assert sum(seen[-1]) == (S - 1) % C + 1  # the last query: its chunk so far
 
 
 @pytest.mark.parametrize("f", NEW)

@@ -120,7 +120,7 @@ def qwen3_moe_json(**changes) -> dict:
     ({"model_type": "qwen2_moe"}, "a mixture of experts (num_local_experts=4: each token"),
     ({"model_type": "qwen2_moe"}, "not for model_type 'qwen2_moe'"),
     ({"model_type": "dbrx"}, "implemented only as Mixtral, Qwen3-MoE, DeepSeek-V3, "
-                             "DeepSeek-V2, gpt-oss, Qwen3-Next and OLMoE compute it"),
+                             "DeepSeek-V2, gpt-oss, Qwen3-Next, OLMoE and Llama 4 compute it"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 must lie in 1 .. num_experts=4"),
     ({"num_experts": 4, "num_local_experts": 8}, "num_experts=4 and num_local_experts=8 "
                                                  "disagree"),

@@ -10,6 +10,7 @@ import transformers
 
 from llmtrace import Config, meta_model, trace_shapes
 from llmtrace.cost import parameter_count
+from llmtrace.rope import rope_frequencies
 
 # the totals the model cards and the HF hub's safetensors metadata give (a float: in billions,
 # as rounded where only that is published: Mixtral's 46.7B from Mistral's announcement, Qwen's
@@ -18,14 +19,32 @@ PUBLISHED = {"llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248,
              "qwen3-0.6b": 596_049_920, "mistral-7b-v0.1": 7_241_732_096, "olmo-2-1b": 1.48,
              "mixtral-8x7b": 46.7, "qwen3-30b-a3b": 30.5,
              "olmo-3-7b": 7.3, "smollm3-3b": 3.08,
-             "olmoe-1b-7b": 6.9}  # SmolLM3-3B's card: 3.08B; OLMoE's: 6.9B; OLMo 3's
-# only says "7B" (7B and 32B scales): 7.30B is its HF class's count, to two digits
+             "olmoe-1b-7b": 6.9,  # SmolLM3-3B's card: 3.08B; OLMoE's: 6.9B; OLMo 3's
+             "llama-4-scout-17b-16e": 109.0}  # only says "7B" (7B and 32B scales): 7.30B is
+# its HF class's count, to two digits; a whole number of billions (109.0: Llama 4 Scout's card)
+# is rounded so. Scout's 109B counts its vision encoder and projector too (`TOWERS`)
 FAMILY = {"llama-3.2-1b": "llama", "llama-3.1-8b": "llama", "qwen3-0.6b": "qwen3",
           "mistral-7b-v0.1": "mistral", "olmo-2-1b": "olmo2", "mixtral-8x7b": "mixtral",
           "qwen3-30b-a3b": "qwen3_moe", "olmo-3-7b": "olmo3", "smollm3-3b": "smollm3",
-          "olmoe-1b-7b": "olmoe"}
-# active parameters per token, as published (OLMoE's card: 1.3B of 6.9B)
-ACTIVE = {"olmoe-1b-7b": 1.3}
+          "olmoe-1b-7b": "olmoe", "llama-4-scout-17b-16e": "llama4_text"}
+# active parameters per token, as published (OLMoE's card: 1.3B of 6.9B; Llama 4 Scout's: 17B
+# of 109B, its text model's)
+ACTIVE = {"olmoe-1b-7b": 1.3, "llama-4-scout-17b-16e": 17.0}
+# what a published total counts beside the text model: Llama 4 Scout's vision encoder and its
+# projector, in HF's Llama4ForConditionalGeneration (`test_the_towers_are_hfs`)
+TOWERS = {"llama-4-scout-17b-16e": 871_932_416}
+# meta-llama/Llama-4-Scout-17B-16E config.json's vision_config
+SCOUT_VISION = dict(hidden_size=1408, image_size=336, intermediate_size=5632, num_channels=3,
+                    num_attention_heads=16, num_hidden_layers=34, patch_size=14, norm_eps=1e-5,
+                    pixel_shuffle_ratio=0.5, projector_input_dim=4096, hidden_act="gelu",
+                    projector_output_dim=4096, vision_output_dim=4096, rope_theta=10000,
+                    multi_modal_projector_bias=False)
+
+
+def billions(count: int, published: float) -> float:
+    """count in billions, to as many digits as `published` gives (a whole number: none)."""
+    digits = 0 if published.is_integer() else len(str(published).split(".")[1])
+    return round(count / 1e9, digits)
 
 
 def hf_meta_count(c: Config) -> int:
@@ -47,14 +66,14 @@ def test_parameter_count(name):
     tensors = {id(t): t for t in [weights.embed, weights.final_norm, weights.lm_head]}
     for lw in weights.layers:
         tensors.update({id(t): t for t in vars(lw).values() if isinstance(t, torch.Tensor)})
-        if lw.moe is not None:  # the experts, stacked
-            tensors.update({id(t): t for t in vars(lw.moe).values() if t is not None})
+        if lw.moe is not None:  # the experts, stacked, and a shared expert's MLP
+            shared = vars(lw.moe.shared).values() if lw.moe.shared is not None else ()
+            tensors.update({id(t): t for t in [*vars(lw.moe).values(), *shared]
+                            if isinstance(t, torch.Tensor)})
     assert parameter_count(c) == sum(t.numel() for t in tensors.values())
     assert parameter_count(c) == hf_meta_count(c)
-    published = PUBLISHED[name]
-    digits = len(str(published).split(".")[1]) if isinstance(published, float) else 0
-    assert (round(parameter_count(c) / 1e9, digits) if isinstance(published, float)
-            else parameter_count(c)) == published
+    published, count = PUBLISHED[name], parameter_count(c) + TOWERS.get(name, 0)
+    assert (billions(count, published) if isinstance(published, float) else count) == published
 
 
 @pytest.mark.parametrize("name", ACTIVE)
@@ -69,7 +88,36 @@ def test_active_parameter_count(name):
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     hf_active = hf_meta_count(c) - experts + experts * c.n_experts_active // c.n_experts
     assert parameter_count(c, active=True) == hf_active
-    assert round(hf_active / 1e9, 1) == ACTIVE[name]
+    assert billions(hf_active, ACTIVE[name]) == ACTIVE[name]
+
+
+@pytest.mark.parametrize("name", TOWERS)
+def test_the_towers_are_hfs(name):
+    """What the published total counts beside the text model: HF's multimodal class of the
+    same text model on the meta device, less its text model."""
+    settings = Config.from_name(name).to_hf()
+    text = transformers.AutoConfig.for_model(settings.pop("model_type"), **settings)
+    with torch.device("meta"):
+        model = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(
+            text_config=text.to_dict(), vision_config=SCOUT_VISION))
+    towers = sum(p.numel() for n, p in model.named_parameters()
+                 if not n.startswith("language_model."))
+    assert towers == TOWERS[name]
+
+
+def test_llama4_scouts_rope_is_hfs():
+    """Scout's llama3 rope_scaling gives low_freq_factor = high_freq_factor (1): no pair is
+    blended, each is kept or slowed 16 times, as HF's class computes it (with a warning)."""
+    from transformers.models.llama4.modeling_llama4 import Llama4TextRotaryEmbedding
+
+    c = Config.from_name("llama-4-scout-17b-16e")
+    settings = c.to_hf()
+    hf = transformers.AutoConfig.for_model(settings.pop("model_type"), **settings)
+    ours = rope_frequencies(c.head_dim, c.rope_theta, scaling=c.rope_scaling)  # [hd/2]
+    theirs = Llama4TextRotaryEmbedding(hf).inv_freq
+    assert torch.allclose(ours, theirs, rtol=1e-6, atol=0)
+    ratio = rope_frequencies(c.head_dim, c.rope_theta) / ours
+    assert set(ratio.round().tolist()) == {1.0, 16.0}
 
 
 @pytest.mark.parametrize("name", PUBLISHED)

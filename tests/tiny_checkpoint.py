@@ -236,6 +236,24 @@ ROWS = {
                            "ple_act", "ple_gated", "ple_proj", "ple_norm.mean_sq", "ple_norm",
                            "resid_ple", "layer_scaled", "lm_head.softcap"}),
 }
+# Llama 4: layer 3 of 4 without RoPE (no_rope_layer_interval's default, 4) and its queries
+# tempered (floor_scale 4: positions 3 .. 10 scaled, at a strength of 0.5); the three others
+# turning adjacent pairs, QK-normed and chunked (4 positions, < the prompt's 11); experts in
+# layers 0 and 2 (4 of width 32, 2 chosen, scaling their input; a shared one), dense MLPs of 96
+# in layers 1 and 3
+LLAMA4_MOE = (MOE - {"mlp.router_probs"}) | SHARED - {"mlp.shared_gate", "mlp.shared_gated"} | {
+    "mlp.expert_in"}
+ROWS["llama4_text"] = Row(
+    "Llama4TextConfig", "Llama4ForCausalLM",
+    {**SHARP, "num_hidden_layers": 4, "head_dim": 16, "intermediate_size": 32,
+     "intermediate_size_mlp": 96, "num_local_experts": 4, "num_experts_per_tok": 2,
+     "moe_layers": [0, 2], "attention_chunk_size": 4, "floor_scale": 4, "attn_scale": 0.5},
+    off=({"rope_interleave": False}, {"no_rope_layers": ()}, {"qk_l2_norm": False},
+         {"layer_types": ()}, {"attn_temperature": ()}, {"moe_router": "topk_softmax"},
+         {"n_shared_experts": 0}),
+    records=LLAMA4_MOE | {"attn.chunk_mask", "attn.q_l2_norm", "attn.q_l2_norm.mean_sq",
+                          "attn.k_l2_norm", "attn.k_l2_norm.mean_sq"},
+    lacks=DENSE_MLP)
 # Qwen3.5's text model: the same layers, DeltaNet's projections stored apart, a dense MLP
 ROWS["qwen3_5_text"] = Row(
     "Qwen3_5TextConfig", "Qwen3_5ForCausalLM",

@@ -25,7 +25,7 @@ INT_FIELDS = {"vocab_size": 1, "hidden_size": 1, "n_layers": 1, "n_heads": 1, "n
               "n_experts_active": 0, "moe_ffn_size": 0, "shared_ffn_size": 0,
               "kv_lora_rank": 0, "q_lora_rank": 0,
               "qk_nope_head_dim": 0, "v_head_dim": 0, "n_shared_experts": 0, "moe_groups": 1,
-              "moe_groups_chosen": 1}
+              "moe_groups_chosen": 1, "attention_chunk": 0}
 OPTIONAL_IDS = ("bos_id", "eos_id")  # None: the model has none
 NULLABLE_FIELDS = (*OPTIONAL_IDS, "pad_id")
 
@@ -59,7 +59,7 @@ def config_problems(v: dict, key=str) -> list[str]:
         problems.append(f"{key('mlp_act')}={v['mlp_act']!r} must be one of "
                         f"{', '.join(MLP_ACTS)}")
     for field in ("qk_proj_norm", "pre_norm", "k_eq_v", "double_wide_mlp", "v_norm",
-                  "layer_scalar", "rope_interleave"):
+                  "layer_scalar", "rope_interleave", "qk_l2_norm"):
         if v[field] is not True and v[field] is not False:
             problems.append(f"{key(field)}={v[field]!r} must be True or False")
     if v["qk_norm"] is True and v["qk_proj_norm"] is True:
@@ -162,7 +162,7 @@ class Config:
     mlp_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     embed_scale: bool = False  # embedding rows times sqrt(hidden_size)
     attn_scale: float = 0.0  # scores = q @ k^T * attn_scale; 0 means 1 / sqrt(head_dim)
-    layer_types: tuple = ()  # per layer "full" or "sliding"; () = every layer alike
+    layer_types: tuple = ()  # per layer "full", "sliding" or "chunked"; () = every layer alike
     rope_local_theta: float = 0.0  # RoPE base of the sliding layers; 0 means rope_theta
     # Qwen3-Next's differences (layer_types also names "linear" layers: Gated DeltaNet)
     attn_output_gate: bool = False  # W_q gives each head a gate: out * sigmoid(gate)
@@ -199,6 +199,12 @@ class Config:
     shared_ffn_size: int = 0  # Qwen3-Next: one shared expert this wide, scaled by a sigmoid gate
     # SmolLM3: per layer 1 (RoPE) or 0 (no RoPE: NoPE), HF's no_rope_layers; () = RoPE everywhere
     no_rope_layers: tuple = ()
+    # Llama 4: a "chunked" layer's query sees only the keys of its own block of C positions;
+    # q and k to RMS 1 per head, no weight, after RoPE (RoPE layers); NoPE layers' queries
+    # scaled by 1 + scale * log1p(floor((position + 1) / floor)), (floor, scale); () none
+    attention_chunk: int = 0
+    qk_l2_norm: bool = False
+    attn_temperature: tuple = ()
     # DeepSeek's multi-head latent attention (`mla`): K and V rebuilt from a cached latent of
     # kv_lora_rank numbers; 0 is grouped-query attention. head_dim is then the rotated part
     # of each query and key (HF's qk_rope_head_dim), beside qk_nope_head_dim without RoPE
@@ -206,7 +212,7 @@ class Config:
     q_lora_rank: int = 0  # the queries' own latent (DeepSeek-V3); 0: one q_proj (V2-Lite)
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
-    rope_interleave: bool = False  # RoPE turns adjacent pairs (2i, 2i+1), as DeepSeek's
+    rope_interleave: bool = False  # RoPE turns adjacent pairs (2i, 2i+1): DeepSeek, Llama 4
     # DeepSeek's mixture of experts: shared experts every position runs, groups of experts
     n_shared_experts: int = 0  # one dense MLP n_shared_experts x moe_ffn_size wide
     moe_groups: int = 1  # the experts split into groups (HF's n_group) ...
@@ -325,5 +331,5 @@ class Config:
 
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 MLP_ACTS = ("silu", "gelu_tanh", "gpt_oss")  # gpt_oss: experts only
-LAYER_KINDS = ("full", "sliding", "linear")
+LAYER_KINDS = ("full", "sliding", "linear", "chunked")
 

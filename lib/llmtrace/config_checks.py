@@ -1,7 +1,7 @@
 """The checks of the fields one mechanism brings to `Config`, one function each: Qwen3-Next's
 (Gated DeltaNet), Gemma 4's, a mixture of experts', SmolLM3's layers without RoPE, RoPE's
-stretch (Llama 3, YaRN), latent attention's (DeepSeek) and gpt-oss's. `config.config_problems`
-runs them in the order of `CHECKS`, after the checks every model has.
+stretch (Llama 3, YaRN), latent attention's (DeepSeek), gpt-oss's and Llama 4's.
+`config.config_problems` runs them in the order of `CHECKS`, after the checks every model has.
 
 Each takes the fields as a dict and `key`, which spells a field as the user wrote it (see
 `config_problems`), and returns its problems, [] if none. This module imports nothing of the
@@ -11,6 +11,7 @@ library but errors.py: config.py imports it, and so do moe.py (`ROUTERS`) and ro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import LlmTraceError
@@ -18,7 +19,8 @@ from .errors import LlmTraceError
 # linear_attn's five numbers, as errors name them (`key` gives Qwen3-Next's config.json keys)
 LINEAR_PARTS = tuple(f"linear_attn.{part}" for part in (
     "key_heads", "value_heads", "key_head_dim", "value_head_dim", "conv_kernel"))
-ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group")  # how moe.py's routers choose
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group",
+           "topk_sigmoid")  # how moe.py's routers choose
 MLP_TYPES = ("dense", "moe")
 LLAMA3_KEYS = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
 # The keys of a YaRN rope_scaling that are computed here; HF's `partial_rotary_factor` (RoPE on
@@ -214,9 +216,27 @@ def gpt_oss_problems(v: dict, key=str) -> list[str]:
     return problems
 
 
+def llama4_problems(v: dict, key=str) -> list[str]:
+    """Llama 4's fields: chunked layers need the chunk's width; the NoPE layers' temperature is
+    () or (floor, scale), a whole number of positions and a strength."""
+    problems = []
+    types, chunk = v["layer_types"], v["attention_chunk"]
+    if isinstance(types, tuple) and "chunked" in types and chunk == 0:
+        problems.append(f"{key('layer_types')} has chunked layers but {key('attention_chunk')}"
+                        f"=0: give the chunk's width")
+    t = v["attn_temperature"]
+    if t != () and not (isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], int)
+                        and not isinstance(t[0], bool) and t[0] >= 1
+                        and isinstance(t[1], (int, float)) and not isinstance(t[1], bool)
+                        and math.isfinite(t[1]) and t[1] >= 0):
+        problems.append(f"{key('attn_temperature')}={t!r:.60} must be () or (floor_scale, "
+                        f"attn_scale): a whole number of positions >= 1 and a number >= 0")
+    return problems
+
+
 # In the order config_problems reports their problems (tests match it)
 CHECKS = (qwen3_next_problems, gemma4_problems, moe_problems, no_rope_problems,
-          rope_scaling_problems, mla_problems, gpt_oss_problems)
+          rope_scaling_problems, mla_problems, gpt_oss_problems, llama4_problems)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from .errors import LlmTraceError
 from .kv_cache import KVCache
 from .mechanisms.deltanet import DeltaNetWeights, hf_deltanet_state_dict, hf_deltanet_weights
 from .mechanisms.mla import MlaWeights
-from .mechanisms.moe import MlpWeights, MoeWeights, hf_gpt_oss_tensors, hf_moe_weights
+from .mechanisms.moe import (MlpWeights, MoeWeights, hf_gpt_oss_tensors, hf_llama4_tensors,
+                             hf_moe_weights)
 from .memory import check_budget, keep_freed_memory_if_asked, needs_estimate
 from .mlp import MLP
 from .norm import rms_norm
@@ -127,6 +128,8 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
                                              c.family))
         if lw.moe is not None and c.mlp_act == FUSED_EXPERTS:  # gpt-oss: fused, as on disk
             sd.update(hf_gpt_oss_tensors(lw.moe, f"model.layers.{i}"))
+        elif lw.moe is not None and c.family == "llama4_text":  # Llama 4: fused too
+            sd.update(hf_llama4_tensors(lw.moe, f"model.layers.{i}"))
         elif lw.moe is not None:  # each expert's matrix under its own name
             for field, names in moe_hf_names(c, i).items():
                 t = attrgetter(field.removeprefix("moe."))(lw.moe)  # "shared.gate" too
@@ -324,19 +327,20 @@ BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "bool": 1}
 
 
 def one_layer_of_each_kind(config: Config, **changes) -> tuple[Model, list[list[int]]]:
-    """A meta model of one layer of each kind (its attention's `layer_types` and its MLP's
-    `mlp_types`), and the layers of `config` each of its layers stands for. Gemma 4: every
-    layer, each its own (they differ in shape and read each other's K, V)."""
+    """A meta model of one layer of each kind (its attention's `layer_types`, its MLP's
+    `mlp_types`, RoPE or none), and the layers of `config` each of its layers stands for.
+    Gemma 4: every layer, each its own (they differ in shape and read each other's K, V)."""
     if config.varied_layers or config.ple_size:
         return meta_model(config.replace(**changes)), [[i] for i in range(config.n_layers)]
     kind = [(config.layer_types[i] if config.layer_types else None,
-             config.mlp_types[i] if config.mlp_types else None) for i in range(config.n_layers)]
-    kinds = list(dict.fromkeys(kind))
+             config.mlp_types[i] if config.mlp_types else None,
+             int(config.has_rope(i))) for i in range(config.n_layers)]
+    kinds = list(dict.fromkeys(kind))  # (Llama 4's NoPE layers record what the others do not)
     one = meta_model(config.replace(
         n_layers=len(kinds), **changes,
-        no_rope_layers=(),  # a NoPE layer records the same shapes
-        layer_types=tuple(a for a, _ in kinds) if config.layer_types else (),
-        mlp_types=tuple(m for _, m in kinds) if config.mlp_types else ()))
+        no_rope_layers=tuple(r for *_, r in kinds) if config.no_rope_layers else (),
+        layer_types=tuple(a for a, _, _ in kinds) if config.layer_types else (),
+        mlp_types=tuple(m for _, m, _ in kinds) if config.mlp_types else ()))
     return one, [[i for i in range(config.n_layers) if kind[i] == k] for k in kinds]
 
 
@@ -399,7 +403,8 @@ def check_trace_budget(config: Config, trace, T: int, decode_steps: int = 0) -> 
     keep_freed_memory_if_asked()
 
 
-MAY_HOLD_MINUS_INF = ("causal_mask", "window_mask", "masked_scores")  # -inf there is the mask, by design
+# -inf there is the mask, by design
+MAY_HOLD_MINUS_INF = ("causal_mask", "window_mask", "chunk_mask", "masked_scores")
 
 
 def not_finite(name: str, t: torch.Tensor) -> bool:

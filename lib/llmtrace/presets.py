@@ -145,6 +145,27 @@ PRESETS: dict[str, dict] = {
                         n_shared_experts=1, moe_groups=8, moe_groups_chosen=4,
                         moe_scaling=2.5, moe_router="sigmoid_group", moe_renormalize=True,
                         mlp_types=("dense",) * 3 + ("moe",) * 58),
+    # meta-llama/Llama-4-Scout-17B-16E config.json's text_config (Llama4ForCausalLM): 48 layers,
+    # every one a mixture of 16 experts of width 8192, 1 chosen per position, and a shared one;
+    # RoPE on adjacent pairs (llama3 scaling: factor 16, low and high factors 1, over 8192
+    # positions) on three layers of four, chunked by 8192 and QK-normed, none on every fourth
+    # (tempered: floor_scale 8192, attn_scale 0.1); <|begin_of_text|> 200000, three end ids.
+    # HF's class on the meta device: 107,769,861,120 parameters, 17,172,894,720 active per
+    # token; with its vision encoder and projector (871,932,416 more) 108.6B, the card's 109B
+    # total, and its 17B active
+    "llama-4-scout-17b-16e": dict(vocab_size=202048, hidden_size=5120, n_layers=48, n_heads=40,
+                                  n_kv_heads=8, head_dim=128, ffn_size=16384,
+                                  max_positions=10485760, rope_theta=500_000.0, bos_id=200000,
+                                  eos_id=200001, stop_ids=(200007, 200008), pad_id=200018,
+                                  family="llama4_text", rope_interleave=True,
+                                  rope_scaling=dict(factor=16.0, high_freq_factor=1.0,
+                                                    low_freq_factor=1.0, rope_type="llama3",
+                                                    original_max_position_embeddings=8192),
+                                  n_experts=16, n_experts_active=1, moe_ffn_size=8192,
+                                  moe_router="topk_sigmoid", n_shared_experts=1,
+                                  no_rope_layers=(1, 1, 1, 0) * 12, attention_chunk=8192,
+                                  layer_types=(("chunked",) * 3 + ("full",)) * 12,
+                                  qk_l2_norm=True, attn_temperature=(8192, 0.1)),
     # openai/gpt-oss-20b config.json (in its unquantized shapes: the hub's experts are MXFP4):
     # sinks, biases on Q, K, V and O, even layers sliding (128), odd ones full, YaRN 32x over
     # 4096, 32 experts of width 2880 in every layer, 4 chosen, clamped at 7; no BOS, <|return|>

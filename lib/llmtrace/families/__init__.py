@@ -70,6 +70,7 @@ from . import mixtral, olmoe, qwen3_moe  # noqa: E402  (mixtures of experts)
 from . import deepseek_v2, deepseek_v3  # noqa: E402  (latent attention)
 from . import gpt_oss  # noqa: E402  (sinks, experts with biases)
 from . import qwen3_5_text, qwen3_next  # noqa: E402  (Gated DeltaNet layers)
+from . import llama4  # noqa: E402  (chunked attention, experts scaling their input)
 
 # model_type -> its entry: one line per family
 REGISTRY: dict[str, Family] = {f.model_type: f for f in (
@@ -90,6 +91,7 @@ REGISTRY: dict[str, Family] = {f.model_type: f for f in (
     qwen3_next.FAMILY,
     qwen3_5_text.FAMILY,
     olmoe.FAMILY,
+    llama4.FAMILY,
 )}
 # the fields of Config that only some families set; a family sets each to its default, to the
 # value in its `switches`, or (in `varies`) to what its config.json says
@@ -102,7 +104,8 @@ SWITCHES = ("qkv_bias", "qk_norm", "qk_proj_norm", "sliding_window", "norm_offse
             "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
             "n_shared_experts", "moe_groups", "moe_groups_chosen", "moe_scaling",
             "no_rope_layers", "attn_sinks", "o_bias", "swiglu_limit", "swiglu_alpha",
-            "attn_output_gate", "partial_rotary_factor", "linear_attn", "shared_ffn_size")
+            "attn_output_gate", "partial_rotary_factor", "linear_attn", "shared_ffn_size",
+            "attention_chunk", "qk_l2_norm", "attn_temperature")
 # each family's model refuses a field of another family set on its config (`Model.check_fields`)
 Model.family_fields = SWITCHES
 for _family in REGISTRY.values():
@@ -110,7 +113,7 @@ for _family in REGISTRY.values():
 COMPUTED = ("llmtrace computes Llama-family models "
             f"({', '.join(f.label for f in REGISTRY.values())})")
 # model_types refused by name, for what they compute instead of a Llama block
-MOE = ("qwen2_moe", "dbrx", "granitemoe", "phimoe", "jamba", "llama4")
+MOE = ("qwen2_moe", "dbrx", "granitemoe", "phimoe", "jamba")  # llama4: NOT_TEXT
 # the families whose experts are computed (moe.py): their config.json's experts are read
 WITH_EXPERTS = tuple(f.model_type for f in REGISTRY.values() if "n_experts" in f.varies)
 MLA = ("kimi_k2",)
@@ -122,7 +125,7 @@ SOFTCAP = ("gemma2",)
 FINAL_SOFTCAP = ("gemma4_text",)  # its final_logit_softcapping is computed (gemma4.softcap)
 # a family's text model is computed, not this one
 NOT_TEXT = {"gemma3": gemma3.WITH_VISION, "gemma4": gemma4.WITH_TOWERS,
-            "qwen3_5": qwen3_5_text.WITH_VISION}
+            "qwen3_5": qwen3_5_text.WITH_VISION, "llama4": llama4.WITH_VISION}
 
 
 def family_of(model_type: str, where: str) -> Family:

@@ -223,8 +223,8 @@ def rope_scaling_of(c: dict, where: str) -> tuple:
     values = {k: params.get(k) for k in LLAMA3_KEYS}
     bad = [k for k, v in values.items()
            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0]
-    if bad or values["high_freq_factor"] <= values["low_freq_factor"]:
+    if bad or values["high_freq_factor"] < values["low_freq_factor"]:  # equal: Llama 4 Scout's
         raise LlmTraceError(f"{where}: rope_scaling of type 'llama3' needs positive "
-                            f"{', '.join(LLAMA3_KEYS)} (high above low), got "
+                            f"{', '.join(LLAMA3_KEYS)} (high at least low), got "
                             f"{ {k: values[k] for k in bad} or values }")
     return tuple(sorted({**values, "rope_type": "llama3"}.items()))

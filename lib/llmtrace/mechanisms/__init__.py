@@ -5,7 +5,8 @@ and from Llama's parts, stating its difference. None of them is read by a Llama.
 - `attention_steps`: the small changes to one step of `attention.Attention` that several
   families share: biases on the projections, a norm on each head of Q and K or on the whole
   projection, a scale of the scores, a sliding window, a learned sink per head, RoPE on some
-  layers only.
+  layers only; Llama 4's RoPE on adjacent pairs, weightless QK-norm, queries tempered by
+  position and chunked attention.
 - `yarn`: RoPE's tables stretched by YaRN.
 - `moe`: a mixture of experts in place of the gated MLP, with its routers.
 - `mla`: DeepSeek's multi-head latent attention, K and V rebuilt from a cached latent.

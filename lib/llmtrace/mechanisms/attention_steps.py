@@ -2,7 +2,8 @@
 it. Each class subclasses `Attention` and overrides the one step it changes, calling the rest
 as Llama computes them; a family's attention is Llama's with some of them mixed in
 (`families.part`): Qwen3's is `HeadNormed` on Llama's, gpt-oss's `Biased`, `OutBiased` and
-`Sinks`, and a `Windowed` one on its sliding layers.
+`Sinks`, and a `Windowed` one on its sliding layers; Llama 4's `Interleaved`, `L2Normed` and
+`Chunked` on its RoPE layers, `Unturned` and `Tempered` on the others.
 """
 
 import torch
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from ..attention import Attention, Positions
 from ..norm import rms_norm
 from ..trace import NO_TRACE
+from .gemma4 import unit_rms_norm
 
 
 class Biased(Attention):
@@ -171,3 +173,99 @@ class OwnBase(Attention):
 
     def rotate(self, q, k, pos: Positions, trace, name):
         return super().rotate(q, k, pos.more["local"] if self.local else pos, trace, name)
+
+
+def rope_adjacent(x, cos, sin, trace=NO_TRACE, name: str = "rope", freq: str = "freq"):
+    """x [B, T, n, hd] with each adjacent pair (x[2i], x[2i+1]) turned by its angle, as a
+    complex number: x[2i] cos - x[2i+1] sin, x[2i+1] cos + x[2i] sin. cos, sin [T, hd] as
+    `rope.rope_cos_sin` makes them: their first half holds pair i's angle."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]  # [T, 1, hd/2]: every head alike
+    even, odd = x[..., 0::2], x[..., 1::2]  # [B, T, n, hd/2] each
+    out = torch.stack([even * c - odd * s, odd * c + even * s], dim=-1)  # [B, T, n, hd/2, 2]
+    return trace.record(name, f"rotate adjacent pairs (2i, 2i+1) by position * {freq}",
+                        out.flatten(-2))  # [B, T, n, hd]
+
+
+class Interleaved(Attention):
+    """Llama 4: RoPE turns adjacent pairs (2i, 2i+1) of each head, the layout its weights keep
+    (HF's `apply_rotary_emb` multiplies them as complex numbers), pair i at the angle of
+    Llama's pair (i, i + hd/2)."""
+
+    def rotate(self, q, k, pos: Positions, trace, name):
+        q = rope_adjacent(q, pos.cos, pos.sin, trace, f"{name}.rope_q",
+                          self.freq)  # [B, T, H, hd]
+        k = rope_adjacent(k, pos.cos, pos.sin, trace, f"{name}.rope_k",
+                          self.freq)  # [B, T, KV, hd]
+        return q, k
+
+
+class L2Normed(Attention):
+    """Llama 4's RoPE layers: each head of q and k, once turned, to RMS 1 with no weight (HF's
+    `Llama4TextL2Norm`, at rms_norm_eps)."""
+
+    def __init__(self, config, layer: int = 0):
+        super().__init__(config, layer)
+        self.eps = config.norm_eps
+
+    def rotate(self, q, k, pos: Positions, trace, name):
+        q, k = super().rotate(q, k, pos, trace, name)  # [B, T, H | KV, hd]
+        q = unit_rms_norm(q, self.eps, trace, f"{name}.q_l2_norm")  # [B, T, H, hd]
+        k = unit_rms_norm(k, self.eps, trace, f"{name}.k_l2_norm")  # [B, T, KV, hd]
+        return q, k
+
+
+class Tempered(Attention):
+    """Llama 4's NoPE layers: the query at position p times 1 + scale * log1p(floor((p + 1) /
+    floor_scale)), 1 for the first floor_scale - 1 positions, growing slowly after, so that
+    far queries attend more sharply (HF's attn_temperature_tuning)."""
+
+    def __init__(self, config, layer: int = 0):
+        super().__init__(config, layer)
+        self.floor, self.scale = config.attn_temperature
+
+    def rotate(self, q, k, pos: Positions, trace, name):
+        q, k = super().rotate(q, k, pos, trace, name)  # [B, T, H | KV, hd]
+        p = torch.arange(pos.start, pos.start + q.shape[1], device=pos.mask.device)  # [T]
+        t = torch.log1p(torch.floor((p.float() + 1.0) / self.floor)) * self.scale + 1.0
+        what = f"1 + {self.scale:g} * log1p(floor((position + 1) / {self.floor})), per position"
+        t = trace.record(f"{name}.temperature", what, t[:, None, None])  # [T, 1, 1]
+        q = trace.record(f"{name}.q_tempered", "q * temperature", q * t)  # [B, T, H, hd]
+        return q, k
+
+
+def chunk_mask(T: int, S: int, start: int, chunk: int, device=None) -> torch.Tensor:
+    """[T, S] additive mask of chunked attention (Llama 4): -inf where key j lies in another
+    block of `chunk` positions than query p = start + i (j // chunk != p // chunk), 0
+    elsewhere. Added to the causal mask, a query sees the keys from its chunk's start up to
+    itself, as HF's `chunked_overlay`. Positions are absolute: a decode step's query too."""
+    p = torch.arange(start, start + T, device=device)[:, None]  # [T, 1]
+    j = torch.arange(S, device=device)[None, :]  # [1, S]
+    return torch.zeros(T, S, device=device).masked_fill(j // chunk != p // chunk, float("-inf"))
+
+
+class Chunked(Attention):
+    """Llama 4's RoPE layers: a query sees only the keys of its own chunk of `attention_chunk`
+    positions (0 .. C-1, C .. 2C-1, ...), itself and those before it there."""
+
+    def __init__(self, config, layer: int = 0):
+        super().__init__(config, layer)
+        self.chunk = config.attention_chunk
+
+    def cache_values(self, context: int, capped: bool = True) -> int:
+        """capped: a chunk's C positions at most, what an inference cache keeps."""
+        return super().cache_values(min(context, self.chunk) if capped else context, capped)
+
+    def masked(self, scores, pos: Positions, trace, name):
+        what = f"0 where key <= query position, -inf after ({pos.start} cached)"
+        mask = trace.record(f"{name}.causal_mask", what, pos.mask)  # [T, S]
+        key = ("chunk", self.chunk)  # one mask per width, shared by the pass's layers
+        if key not in pos.more:
+            T, S = pos.mask.shape
+            pos.more[key] = chunk_mask(T, S, pos.start, self.chunk, pos.mask.device)
+        mask = trace.record(f"{name}.chunk_mask",
+                            f"causal_mask + -inf where key // {self.chunk} != query // "
+                            f"{self.chunk}", mask + pos.more[key])  # [T, S]
+        return trace.record(f"{name}.masked_scores", "scores + chunk_mask",
+                            scores + mask,  # [B, H, T, S]
+                            recompute=(torch.add, f"{name}.scores", f"{name}.chunk_mask"))

@@ -15,6 +15,9 @@ Three routers, as HF transformers writes them (`route`), and DeepSeek-V3's:
   unbiased scores, renormalized if the config says `norm_topk_prob`, times
   `routed_scaling_factor`. The bias steers the load over the experts without changing
   what a chosen expert's output counts.
+- Llama 4 (`topk_sigmoid`, `InputScaledMoE`): the top k logits, each through a sigmoid of
+  its own; each weight scales its expert's input, not its output, and a shared expert runs
+  at every position.
 
 DeepSeek's layers also hold shared experts: one dense SwiGLU MLP (n_shared_experts x
 moe_intermediate_size wide) that every position runs, its output added to the routed
@@ -89,6 +92,9 @@ def route(logits, k: int, router: str = "softmax_topk", renormalize: bool = True
     elif router == "topk_softmax":  # gpt-oss: a softmax over the k chosen logits
         top, ids = torch.topk(logits, k, dim=-1)  # [B, T, k]
         weights = torch.softmax(top, dim=-1)  # [B, T, k]
+    elif router == "topk_sigmoid":  # Llama 4: each chosen logit through a sigmoid of its own
+        top, ids = torch.topk(logits, k, dim=-1)  # [B, T, k]
+        weights = torch.sigmoid(top)  # [B, T, k]
     elif router == "sigmoid_group":  # DeepSeek-V3
         ids, weights = sigmoid_group_route(logits, k, bias, n_group, topk_group,
                                            renormalize, trace, name)  # [B, T, k] each
@@ -157,8 +163,9 @@ def expert_mlp(x, w: MoeWeights, e: int, act: str = "silu", limit: float = 7.0,
 def chosen_expert_outputs(x, w: MoeWeights, ids, act: str = "silu", limit: float = 7.0,
                           alpha: float = 1.702):
     """[B, T, k, D]: slot j of position t holds the output there of expert ids[b, t, j].
-    Each expert runs once, on just the positions that chose it."""
-    B, T, D = x.shape
+    Each expert runs once, on just the positions that chose it. x [B, T, D], or [B, T, k, D]:
+    each slot's own input (Llama 4's, scaled by its weight)."""
+    B, T, D = x.shape[0], x.shape[1], x.shape[-1]
     E, k = w.gate.shape[0], ids.shape[-1]
     if x.device.type == "meta":  # no values, so no routing: the shape alone
         return x.new_empty(B, T, k, D)
@@ -166,11 +173,12 @@ def chosen_expert_outputs(x, w: MoeWeights, ids, act: str = "silu", limit: float
         raise LlmTraceError(f"expert ids must lie in 0 .. {E - 1} (this layer has {E} "
                             f"experts), got {int(ids.min())} .. {int(ids.max())}: "
                             f"a patch of experts_chosen must return ids of this layer")
-    flat, ids = x.reshape(B * T, D), ids.reshape(B * T, k)  # [B*T, D], [B*T, k]
+    flat = x.reshape(B * T, -1, D).expand(B * T, k, D)  # [B*T, k, D]: each slot's input
+    ids = ids.reshape(B * T, k)  # [B*T, k]
     out = x.new_zeros(B * T, k, D)  # [B*T, k, D]
     for e in range(E):
         pos, slot = torch.where(ids == e)  # the (position, slot) pairs choosing e
-        out[pos, slot] = expert_mlp(flat[pos], w, e, act, limit, alpha)  # [N_e, D]
+        out[pos, slot] = expert_mlp(flat[pos, slot], w, e, act, limit, alpha)  # [N_e, D]
     return out.reshape(B, T, k, D)
 
 
@@ -259,9 +267,11 @@ def hf_moe_weights(get, prefix: str, model_type: str, n_experts: int,
             down_bias=get(f"{p}.experts.down_proj_bias"))  # [E, D]
     if model_type in DEEPSEEK:
         return hf_deepseek_moe_weights(get, prefix, model_type, n_experts, shared)
+    if model_type == "llama4_text":
+        return hf_llama4_moe_weights(get, prefix)
     names = HF_EXPERT_NAMES.get(model_type)
     if names is None:
-        known = ", ".join([*HF_EXPERT_NAMES, "gpt_oss", *DEEPSEEK])
+        known = ", ".join([*HF_EXPERT_NAMES, "gpt_oss", "llama4_text", *DEEPSEEK])
         raise LlmTraceError(f"no MoE weight names for model_type {model_type!r}: "
                             f"known are {known}")
     block, gate, up, down = names
@@ -304,6 +314,32 @@ def hf_deepseek_moe_weights(get, prefix: str, model_type: str, n_experts: int,
     if model_type == "deepseek_v3":
         w.score_bias = get(f"{p}.gate.e_score_correction_bias")  # [E]
     return w
+
+
+def hf_llama4_moe_weights(get, prefix: str) -> MoeWeights:
+    """Llama 4's MoE layer as `save_pretrained` writes it, prefix "model.layers.3": the
+    experts fused, gate and up side by side on the last axis (halves, not interleaved), x @ W
+    transposed from F.linear's; the router; the shared expert, a dense MLP."""
+    p = f"{prefix}.feed_forward"
+    gate_up = get(f"{p}.experts.gate_up_proj")  # [E, D, 2F]: gate | up
+    Fm = gate_up.shape[-1] // 2
+    return MoeWeights(
+        router=get(f"{p}.router.weight"),  # [E, D]
+        gate=gate_up[..., :Fm].transpose(1, 2).contiguous(),  # [E, F, D]
+        up=gate_up[..., Fm:].transpose(1, 2).contiguous(),  # [E, F, D]
+        down=get(f"{p}.experts.down_proj").transpose(1, 2).contiguous(),  # [E, D, F]
+        shared=MlpWeights(*(get(f"{p}.shared_expert.{kind}_proj.weight")
+                            for kind in ("gate", "up", "down"))))
+
+
+def hf_llama4_tensors(w: MoeWeights, prefix: str) -> dict[str, torch.Tensor]:
+    """The inverse of `hf_llama4_moe_weights`: its tensors under their names on disk."""
+    p = f"{prefix}.feed_forward"
+    shared = {f"{p}.shared_expert.{kind}_proj.weight": getattr(w.shared, kind)
+              for kind in ("gate", "up", "down")}
+    return {f"{p}.router.weight": w.router,
+            f"{p}.experts.gate_up_proj": torch.cat([w.gate, w.up], dim=1).transpose(1, 2),
+            f"{p}.experts.down_proj": w.down.transpose(1, 2), **shared}  # [E, D, 2F], [E, F, D]
 
 
 # model_type -> (the block's name, and its experts' gate, up and down matrices)
@@ -365,3 +401,36 @@ class MoE:
         return moe_mlp(x, w.moe, self.k, self.router, self.renormalize, self.act, self.limit,
                        self.alpha, trace=trace, name=name, n_group=self.groups,
                        topk_group=self.chosen, scaling=self.scaling)  # [B, T, D]
+
+
+class InputScaledMoE(MoE):
+    """Llama 4's mixture of experts: the router's k best logits, each through a sigmoid
+    (`topk_sigmoid`), scale the input of the expert they chose; the experts' outputs are summed
+    as they come, and a shared expert (`w.moe.shared`) runs at every position."""
+
+    def __init__(self, config, layer: int = 0):
+        super().__init__(config, layer)
+        self.shared = config.n_shared_experts > 0
+
+    def __call__(self, x, w, trace=NO_TRACE, name: str = "mlp"):
+        m = w.moe
+        B, T, D = x.shape
+        E, Fsz, _ = m.gate.shape
+        _check_args(m, self.k, self.router, self.act)
+        logits = trace.record(f"{name}.router", "x @ W_router^T", F.linear(x, m.router),
+                              B * T * D * E)  # [B, T, E]
+        ids, weights = route(logits, self.k, self.router, self.renormalize, trace, name)
+        how = {"topk_sigmoid": "sigmoid of each chosen logit"}.get(self.router, self.router)
+        ids = trace.record(f"{name}.experts_chosen", "top-k: expert ids", ids)  # [B, T, k]
+        weights = trace.record(f"{name}.expert_weights", how, weights)  # [B, T, k]
+        scaled = trace.record(f"{name}.expert_in", "expert_weights_j * x: the j-th chosen "
+                              "expert's input", weights[..., None] * x[:, :, None])  # [B,T,k,D]
+        out = trace.record(f"{name}.expert_out", "the j-th chosen expert's SwiGLU MLP on its "
+                           "expert_in", chosen_expert_outputs(scaled, m, ids),
+                           B * T * self.k * 3 * D * Fsz)  # [B, T, k, D]
+        y = out.sum(dim=2)  # [B, T, D]
+        if not self.shared:
+            return trace.record(f"{name}.out", "sum_j expert_out_j", y)  # [B, T, D]
+        y = trace.record(f"{name}.routed", "sum_j expert_out_j", y)  # [B, T, D]
+        shared = swiglu(x, m.shared, trace, f"{name}.shared")  # [B, T, D]
+        return trace.record(f"{name}.out", "routed + shared.down", y + shared)  # [B, T, D]

@@ -57,6 +57,9 @@ MLA_TENSORS = {
 # With a norm after each sublayer, HF's "post_attention_layernorm" is that norm after attention,
 # and the norm before the MLP has a name of its own
 SANDWICH_HF_NAMES = {"mlp_norm": "pre_feedforward_layernorm.weight"}
+# Llama 4 calls its MLP the feed-forward block (its experts: `fused_expert_shapes`)
+FAMILY_HF_NAMES = {"llama4_text": {f: f"feed_forward.{f}_proj.weight" for f in ("gate", "up",
+                                                                             "down")}}
 # A Gated DeltaNet layer (`layer_types` "linear", Qwen3-Next) has no self_attn tensors: its own,
 # after "model.layers.N.linear_attn.", are read by `deltanet.hf_deltanet_weights`
 ATTN_FIELDS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_bias", "k_bias", "v_bias", "q_norm",
@@ -88,6 +91,8 @@ def hf_name(field: str, layer: int | None = None, c: Config | None = None) -> st
     name = {**LAYER_TENSORS, **MLA_TENSORS}[field][0]
     if c is not None and c.sandwich_norm:
         name = SANDWICH_HF_NAMES.get(field, name)
+    if c is not None:
+        name = FAMILY_HF_NAMES.get(c.family, {}).get(field, name)
     return f"model.layers.{layer}.{name}"
 
 
@@ -117,10 +122,21 @@ def moe_hf_names(c: Config, layer: int) -> dict[str, str | list[str]]:
     return names
 
 
+def fused_experts(c: Config) -> bool:
+    """Does the checkpoint hold each MoE layer's experts fused, in one tensor per kind?"""
+    return c.mlp_act == FUSED_EXPERTS or c.family == "llama4_text"
+
+
 def fused_expert_shapes(c: Config, layer: int) -> dict[str, tuple[int, ...]]:
-    """gpt-oss's MoE layer as `save_pretrained` writes it (moe.hf_moe_weights reads it):
-    each HF name and its shape on disk."""
+    """gpt-oss's or Llama 4's MoE layer as `save_pretrained` writes it (moe.hf_moe_weights
+    reads it): each HF name and its shape on disk."""
     E, D, Fm = c.n_experts, c.hidden_size, c.moe_ffn_size
+    if c.family == "llama4_text":  # gate | up side by side, no biases, one shared expert
+        p, Fs = f"model.layers.{layer}.feed_forward", c.n_shared_experts * Fm
+        shared = {f"{p}.shared_expert.{kind}_proj.weight": shape for kind, shape in
+                  (("gate", (Fs, D)), ("up", (Fs, D)), ("down", (D, Fs)))} if Fs else {}
+        return {f"{p}.router.weight": (E, D), f"{p}.experts.gate_up_proj": (E, D, 2 * Fm),
+                f"{p}.experts.down_proj": (E, Fm, D), **shared}
     p = f"model.layers.{layer}.mlp"
     return {f"{p}.router.weight": (E, D), f"{p}.router.bias": (E,),
             f"{p}.experts.gate_up_proj": (E, D, 2 * Fm),  # g0 u0 g1 u1 ... on the last axis
@@ -262,7 +278,7 @@ def expected_shapes(c: Config) -> dict[str, tuple[int, ...]]:
         moe = c.is_moe(i)
         out.update({(f"model.layers.{i}.{f}" if f.startswith(LINEAR_PREFIX)
                      else hf_name(f, i, c)): shapes[f] for f in layer_fields(c, i, shapes)})
-        if moe and c.mlp_act == FUSED_EXPERTS:  # gpt-oss: every expert in one tensor
+        if moe and fused_experts(c):  # gpt-oss, Llama 4: every expert in one tensor
             out.update(fused_expert_shapes(c, i))
         elif moe:  # each expert's matrix under its own name
             for field, names in moe_hf_names(c, i).items():
