@@ -24,7 +24,7 @@ from .trace import NO_TRACE
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """[B, KV, S, head_dim] -> [B, KV*n_rep, S, head_dim]: KV head g serves query heads
-    g*n_rep .. g*n_rep + n_rep-1 (with 32 query heads over 4 KV heads, head 0 serves 0-7)."""
+    g*n_rep .. g*n_rep + n_rep-1 (with 32 query heads over 8 KV heads, head 0 serves 0-3)."""
     B, KV, S, hd = x.shape
     if n_rep == 1:
         return x
@@ -65,7 +65,8 @@ class Positions:
 
 
 class Attention:
-    """One layer's grouped-query attention: x [B, T, D] -> [B, T, D]."""
+    """One layer's grouped-query attention: x [B, T, D] -> [B, T, D]. Each step takes what any
+    version of it may read (the layer's index, its weights `w`), though Llama's need less."""
 
     def __init__(self, config, layer: int = 0):
         self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
@@ -79,8 +80,8 @@ class Attention:
         return KVCache(max_len, self.n_kv_heads, self.head_dim, batch, device, dtype)
 
     def cache_values(self, context: int, capped: bool = True) -> int:
-        """The numbers that state holds after `context` positions (capped: counting only the
-        keys a query can still see, what an inference cache keeps; all of them, here)."""
+        """The numbers that state holds after `context` positions: K and V of each KV head.
+        (capped: only the keys a query can still see, for a layer that sees fewer.)"""
         return context * 2 * self.n_kv_heads * self.head_dim
 
     def __call__(self, x, w, pos: Positions, cache=None, trace=NO_TRACE, name="attn"):
