@@ -195,5 +195,8 @@ class Attention:
         out = trace.record(f"{name}.merged", "heads back side by side", merge(out),
                            recompute=(merge, f"{name}.weighted_sum"))  # [B, T, H*hd]
         D = w.o_proj.shape[0]
-        return trace.record(f"{name}.out", "merged @ W_o^T", F.linear(out, w.o_proj),
+        return trace.record(f"{name}.out", "merged @ W_o^T", self.out_proj(out, w),
                             B * T * H * hd * D)  # [B, T, D]
+
+    def out_proj(self, merged, w):
+        return F.linear(merged, w.o_proj)  # [B, T, D]

@@ -137,17 +137,8 @@ class Sinks(Attention):
 class OutBiased(Attention):
     """gpt-oss: a bias on the output projection (`w.o_bias` [D])."""
 
-    def output(self, out, w, trace, name):
-        B, H, T, hd = out.shape
-
-        def merge(o):  # [B, H, T, hd] -> [B, T, H*hd]
-            return o.transpose(1, 2).reshape(B, T, H * hd)
-
-        out = trace.record(f"{name}.merged", "heads back side by side", merge(out),
-                           recompute=(merge, f"{name}.weighted_sum"))  # [B, T, H*hd]
-        D = w.o_proj.shape[0]
-        return trace.record(f"{name}.out", "merged @ W_o^T",
-                            F.linear(out, w.o_proj, w.o_bias), B * T * H * hd * D)  # [B, T, D]
+    def out_proj(self, merged, w):
+        return F.linear(merged, w.o_proj, w.o_bias)  # [B, T, D]
 
 
 class Unturned(Attention):
