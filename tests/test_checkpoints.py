@@ -1,16 +1,15 @@
 """Hugging Face checkpoints (one file and sharded) on a tiny random checkpoint, the GGUF reader on
-the embedded model, and the one table of weight names that both follow."""
+the embedded model, and the weights each part of a layer names, which both follow."""
 
-import dataclasses
 import json
 
 import pytest
 import torch
 
 from llmtrace import Config, LlmTraceError, load_model
-from llmtrace.mechanisms.mla import MlaWeights
-from llmtrace.weights.names import LAYER_TENSORS, MLA_TENSORS, MODEL_TENSORS, expected_shapes
-from llmtrace.model import LayerWeights, Weights, state_dict_from_weights
+from llmtrace.model import meta_model, state_dict_from_weights
+from llmtrace.parts import layer_params
+from llmtrace.weights.names import expected_shapes
 from llmtrace.weights.gguf import embedded_gguf_path, load_gguf
 from llmtrace.weights.hf import save_hf
 from helpers import PROMPT
@@ -21,17 +20,30 @@ def state_dict(tiny):
     return state_dict_from_weights(tiny.config, tiny.weights)
 
 
-def test_one_table_names_every_weight():
-    # and a mixture of experts' layer holds its MoeWeights, named by moe_hf_names; latent
-    # attention's layer its MlaWeights, named by MLA_TENSORS; a Gated DeltaNet layer its
-    # DeltaNetWeights, named by names.linear_shapes
-    assert [*LAYER_TENSORS, "moe", "mla", "linear"] == [f.name for f in
-                                                        dataclasses.fields(LayerWeights)]
-    assert {f.split(".")[1] for f in MLA_TENSORS} == {f.name for f in dataclasses.fields(
-        MlaWeights)}
-    assert set(MODEL_TENSORS) == {f.name for f in dataclasses.fields(Weights)} - {"layers"}
+@pytest.mark.parametrize("name", ["tinyllama-1.1b", "deepseek-v3", "gemma-4-e2b",
+                                  "qwen3-next-80b-a3b", "gpt-oss-20b"])
+def test_parts_name_every_weight(name):
+    """A layer's weights are what its parts name (`Part.tensors`), each loaded under its field;
+    a part that keeps its weights in an object of its own (latent attention's `MlaWeights`, a
+    mixture of experts' `MoeWeights`) fills every field of it it names."""
+    model = meta_model(name)
+    for block, lw in zip(model.blocks, model.weights.layers):
+        fields = layer_params(block)
+        nested = {f.split(".")[0] for f in fields if "." in f and not f.startswith("linear_attn")}
+        assert set(vars(lw)) == {f for f in fields if "." not in f} | nested | (
+            {"linear"} if any(f.startswith("linear_attn") for f in fields) else set())
+        if "mla" in nested:
+            assert {f.split(".")[1] for f in fields if f.startswith("mla.")} == {
+                f for f, t in vars(lw.mla).items() if t is not None}
+        if "moe" in nested:
+            named = {f.split(".")[1] for f in fields if f.startswith("moe.")}
+            assert named == {f for f, t in vars(lw.moe).items() if t is not None}
+
+
+def test_tinyllama_weights_by_name():
     shapes = expected_shapes(Config.from_name("tinyllama-1.1b"))
     assert shapes["model.layers.21.self_attn.k_proj.weight"] == (256, 2048)
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (2048, 5632)
     assert shapes["lm_head.weight"] == (32000, 2048) and len(shapes) == 3 + 22 * 9
 
 

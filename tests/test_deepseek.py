@@ -36,7 +36,7 @@ def tiny(request, tmp_path_factory):
 
 def off_by(model, ids, ref, **layer_changes) -> float:
     """How far the logits move from HF's when every MoE layer's weights change so."""
-    layers = [dataclasses.replace(lw, moe=dataclasses.replace(lw.moe, **layer_changes))
+    layers = [lw.replace(moe=dataclasses.replace(lw.moe, **layer_changes))
               if lw.moe is not None else lw for lw in model.weights.layers]
     w = dataclasses.replace(model.weights, layers=layers)
     logits, _ = Model(model.config, w).run(ids, keep_values=False)

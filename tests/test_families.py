@@ -47,9 +47,9 @@ def weights_for(c: Config, w):
     switch turned off that the attention reads from the weights (gpt-oss's sinks, o_proj's
     bias)."""
     shapes = tensor_shapes(c)
-    layers = [dataclasses.replace(lw, **{f: torch.ones(shapes[f]) for f in ("attn_norm", "mlp_norm")
-                                         if f in shapes and getattr(lw, f) is None},
-                                  **{f: None for f in ("sinks", "o_bias") if f not in shapes})
+    layers = [lw.replace(**{f: torch.ones(shapes[f]) for f in ("attn_norm", "mlp_norm")
+                            if f in shapes and getattr(lw, f) is None},
+                         **{f: None for f in ("sinks", "o_bias") if f not in shapes})
               for lw in w.layers]
     return dataclasses.replace(w, layers=layers)
 

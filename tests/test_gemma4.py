@@ -294,7 +294,7 @@ def lib_logits(c, sd, ids, start=0, caches=None, trace=NO_TRACE, off=(), fractio
         h = norm(h, w.post_attn_norm, EPS, trace, f"{name}.attn_post_norm")
         x = trace.record(f"{name}.resid_mid", "x + attn", x + h)  # [B, T, D]
         h = norm(x, w.mlp_norm, EPS, trace, f"{name}.mlp_norm")
-        h = GeGLU()(h, w, trace, f"{name}.mlp")  # [B, T, D]
+        h = GeGLU(c.hidden_size, w.gate.shape[0])(h, w, trace, f"{name}.mlp")  # [B, T, D]
         h = norm(h, w.post_mlp_norm, EPS, trace, f"{name}.mlp_post_norm")
         x = trace.record(f"{name}.resid_out", "h + mlp", x + h)  # [B, T, D]
         if "ple" not in off:
@@ -473,11 +473,11 @@ def test_decoder_layer_matches_hf(model):
         ref = hf.model.layers[5](x, ple, store, (pos.cos[None], pos.sin[None]),
                                  hf_mask(PROMPT_LEN, 0))
         w = layer_weights(sd, 5)
-        inner = SandwichBlock(attention(c, 5), GeGLU(), EPS, rms_norm)
+        inner = SandwichBlock(attention(c, 5), GeGLU(c.hidden_size, 96), c, rms_norm)
         h = inner(x, w, pos)  # [1, T, D]
         t = Trace()
-        mine = Gemma4Block(inner, 5, ple=True, scalar=True)(x, w, pos, trace=t,
-                                                             name="layers.5")
+        mine = Gemma4Block(inner, 5, ple=8, scalar=True)(x, w, pos, trace=t,
+                                                          name="layers.5")
     assert (mine - ref).abs().max() < TOL
     assert t["layers.5.ple_gate"].shape == (1, PROMPT_LEN, 8)
     assert (h - ref).abs().max() > 100 * TOL  # without the per-layer input and the scalar

@@ -9,7 +9,8 @@ import pytest
 
 from helpers import PROMPT, one_line
 from llmtrace import LlmTraceError, load_model
-from llmtrace.weights.names import LAYER_TENSORS, MODEL_TENSORS
+from llmtrace.model import state_dict_from_weights
+from llmtrace.weights.gguf import GGUF_LAYER_NAMES, GGUF_NAMES
 from llmtrace.rope import half_split_to_adjacent
 from llmtrace.weights import tokenizer_llama
 
@@ -17,16 +18,15 @@ from llmtrace.weights import tokenizer_llama
 def gguf_tensors(model) -> dict[str, np.ndarray]:
     """The model's weights under their GGUF names, Q and K permuted as llama.cpp's converter
     permutes them."""
-    c, w = model.config, model.weights
-    out = {MODEL_TENSORS[f][1]: getattr(w, f) for f in ("embed", "final_norm", "lm_head")}
-    for i, layer in enumerate(w.layers):
-        for field, (_, name) in LAYER_TENSORS.items():
-            t = getattr(layer, field)
-            if t is None:
-                continue
-            if field in ("q_proj", "k_proj"):
-                t = half_split_to_adjacent(t, c.n_heads if field == "q_proj" else c.n_kv_heads)
-            out[f"blk.{i}.{name}"] = t
+    c, sd = model.config, state_dict_from_weights(model.config, model.weights)
+    out = {gguf: sd.get(hf, model.weights.lm_head) for gguf, hf in GGUF_NAMES.items()}
+    for i in range(c.n_layers):
+        for gguf, hf in GGUF_LAYER_NAMES.items():
+            t = sd[f"model.layers.{i}.{hf}"]
+            if gguf in ("attn_q.weight", "attn_k.weight"):
+                t = half_split_to_adjacent(t, c.n_heads if gguf == "attn_q.weight"
+                                           else c.n_kv_heads)
+            out[f"blk.{i}.{gguf}"] = t
     return {k: v.detach().numpy().astype(np.float32) for k, v in out.items()}
 
 

@@ -38,7 +38,7 @@ def test_the_routers_bias_matters(tiny_oss):
     model, _, ref = tiny_oss
     ours, _ = model.run(IDS, keep_values=False)
     assert (ours[0] - ref).abs().max().item() < TOL
-    layers = [dataclasses.replace(lw, moe=dataclasses.replace(lw.moe, router_bias=None))
+    layers = [lw.replace(moe=dataclasses.replace(lw.moe, router_bias=None))
               for lw in model.weights.layers]
     w = dataclasses.replace(model.weights, layers=layers)
     off, trace = Model(model.config, w).run(IDS, keep_values=False)

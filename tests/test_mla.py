@@ -21,15 +21,16 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Atte
                                                                   DeepseekV3RotaryEmbedding)
 
 from llmtrace.mechanisms import mla
-from llmtrace.mechanisms.moe import MlpWeights, MoeWeights, hf_moe_weights, moe_mlp, moe_params
+from llmtrace.mechanisms.moe import MlpWeights, MoeWeights, moe_mlp, moe_params
 from llmtrace.attention import Positions, causal_mask
 from llmtrace.config import Config
 from llmtrace.errors import LlmTraceError
 from llmtrace.mechanisms.mla import (LatentAttention, LatentCache, MlaDims, MlaWeights,
-                                     cache_bytes_per_token, hf_mla_weights, mla_params,
+                                     cache_bytes_per_token, mla_params,
                                      mla_softmax_scale)
 from llmtrace.mechanisms.yarn import yarn_cos_sin
-from llmtrace.model import LayerWeights
+from llmtrace.model import Model
+from llmtrace.parts import LayerWeights
 from llmtrace.rope import rope_cos_sin
 from llmtrace.trace import Trace
 
@@ -502,7 +503,8 @@ def test_weights_from_names_on_disk(version, tmp_path):
     assert tuple(sd[f"{p}.mlp.experts.0.gate_proj.weight"].shape) == (FF, D)
     layer, x = model.model.layers[1], _moe_x()
     # the attention, from the names on disk
-    w = hf_mla_weights(sd.__getitem__, p, q_lora=version == 3)
+    ours = Model(Config.from_hf(tmp_path)).blocks[1]  # the parts, which read their weights
+    w = ours.attn.load(sd.__getitem__, p)["mla"]
     c = model.config
     d = _dims(c, version)
     ids = torch.arange(PREFILL)[None]
@@ -515,7 +517,7 @@ def test_weights_from_names_on_disk(version, tmp_path):
     assert mla_params(w) == sum(t.numel() for t in layer.self_attn.parameters())
     # the MoE layer, from the names on disk: V3's router, V2-Lite's (greedy softmax, no
     # renormalization, routed_scaling_factor 1)
-    m = hf_moe_weights(sd.__getitem__, p, f"deepseek_v{version}", E)
+    m = ours.mlp.load(sd.__getitem__, p)["moe"]
     args = V3_ARGS if version == 3 else dict(router="softmax_topk", renormalize=False)
     with torch.no_grad():
         got, want = moe_mlp(x, m, K, **args), layer.mlp(x)

@@ -12,8 +12,11 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from llmtrace.mechanisms import moe
+from llmtrace.config import Config
 from llmtrace.errors import LlmTraceError
-from llmtrace.mechanisms.moe import MoeWeights, hf_moe_weights, moe_mlp, moe_params
+from llmtrace.mechanisms.moe import MoeWeights, moe_mlp, moe_params
+from llmtrace.model import Model
+from llmtrace.parts import LayerWeights
 from llmtrace.trace import Patched, Trace
 
 TOL = 1e-5
@@ -313,7 +316,7 @@ def test_weights_from_names_on_disk(kind, tmp_path):
     moe_names = {n for n in sd if ".mlp." in n or "block_sparse_moe" in n}
     # per expert 3 matrices and the router (Mixtral, Qwen3-MoE), or 6 fused tensors (gpt-oss)
     assert len(moe_names) == (6 if kind == "gpt_oss" else 3 * E + 1), sorted(moe_names)
-    w = hf_moe_weights(sd.__getitem__, "model.layers.0", kind, E)
+    w = _moe_part(tmp_path).load(sd.__getitem__, "model.layers.0")["moe"]
     x = _x()
     with torch.no_grad():
         want = _hf_out(model.model.layers[0].mlp, x)
@@ -321,9 +324,22 @@ def test_weights_from_names_on_disk(kind, tmp_path):
     assert (got - want).abs().max() < TOL
 
 
-def test_unknown_family_refused():
-    with pytest.raises(LlmTraceError, match="no MoE weight names for model_type 'llama'"):
-        hf_moe_weights({}.__getitem__, "model.layers.0", "llama", 8)
+def _moe_part(directory):
+    """Layer 0's mixture of experts, as the family's model builds it from the saved config."""
+    return Model(Config.from_hf(directory)).blocks[0].mlp
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_weights_saved_as_on_disk(kind, tmp_path):
+    """The part writes back the tensors it read, under the same names, bit for bit."""
+    _, sd = _saved(kind, tmp_path)
+    part = _moe_part(tmp_path)
+    back = part.save(LayerWeights(**part.load(sd.__getitem__, "model.layers.0")),
+                     "model.layers.0")
+    assert set(back) == {n for n in sd if ".mlp." in n or "block_sparse_moe" in n}
+    assert all(torch.equal(back[n], sd[n]) for n in back)
+    assert {n: tuple(t.shape) for n, t in back.items()} == {
+        f"model.layers.0.{n}": s for n, s in part.on_disk().items()}
 
 
 def test_bad_arguments_refused():
@@ -370,3 +386,17 @@ def test_mixtral_8x7b_layer_on_meta():
     total, active = moe_params(w, 2)
     assert (total, active) == (e * d + e * 3 * d * f, e * d + 2 * 3 * d * f)
     assert 45.0e9 < 32 * total < 46.7e9 and 11.2e9 < 32 * active < 12.9e9
+
+
+def test_each_router_name_is_a_class():
+    """The config's moe_router names (config_checks.ROUTERS) are the router classes', one each,
+    and a layer's part holds the rule its config names."""
+    from llmtrace.config_checks import ROUTERS
+    from llmtrace.mechanisms.moe import ROUTERS_BY_NAME, SigmoidGroup, TopKSoftmax
+
+    assert sorted(ROUTERS_BY_NAME) == sorted(ROUTERS)
+    assert len(set(ROUTERS_BY_NAME.values())) == len(ROUTERS)
+    parts = {name: Model(Config.from_name(name)).blocks[-1].mlp.router
+             for name in ("gpt-oss-20b", "deepseek-v3")}
+    assert isinstance(parts["gpt-oss-20b"], TopKSoftmax)
+    assert isinstance(parts["deepseek-v3"], SigmoidGroup) and parts["deepseek-v3"].n_group == 8

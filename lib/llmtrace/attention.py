@@ -1,9 +1,10 @@
 """Self-attention with grouped-query attention (GQA), Llama's, written out op by op.
 
 `Attention` is one layer's part: it reads its weights (`w.q_proj`, `w.k_proj`, `w.v_proj`,
-`w.o_proj`), keeps K and V between steps in a `KVCache`, and records each op under the layer's
-name. Its call runs five steps, each a method, so that a family that changes one step (a bias
-on the projections, a norm on each head, a window on the mask) subclasses that step alone.
+`w.o_proj`, named in `tensors`), keeps K and V between steps in a `KVCache`, and records each op
+under the layer's name. Its call runs five steps, each a method, so that a family that changes
+one step (a bias on the projections, a norm on each head, a window on the mask) subclasses that
+step alone.
 
 Shape comments give symbols: B batch, T positions, D hidden, H query heads, KV key/value heads,
 hd head_dim; S is the number of positions the cache holds after this step's write (S = T at
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from .errors import LlmTraceError
 from .kv_cache import KVCache
+from .parts import Part
 from .rope import apply_rope, rope_cos_sin
 from .trace import NO_TRACE
 
@@ -64,15 +66,23 @@ class Positions:
         return cls(start, cos, sin, causal_mask(T, start + T, start, device))
 
 
-class Attention:
+class Attention(Part):
     """One layer's grouped-query attention: x [B, T, D] -> [B, T, D]. Each step takes what any
     version of it may read (the layer's index, its weights `w`), though Llama's need less."""
 
     def __init__(self, config, layer: int = 0):
         self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
-        self.head_dim = config.head_dim
+        self.head_dim, self.hidden = config.head_dim, config.hidden_size
         # Llama 3 stretches RoPE's frequencies for long contexts (`rope.llama3_scaled`)
         self.freq = f"{config.rope_type}-scaled freq" if config.rope_scaling else "freq"
+
+    def tensors(self):
+        """Its weights: field -> (Hugging Face name after "model.layers.N.", shape)."""
+        H, KV, hd, D = self.n_heads, self.n_kv_heads, self.head_dim, self.hidden
+        return {"q_proj": ("self_attn.q_proj.weight", (H * hd, D)),
+                "k_proj": ("self_attn.k_proj.weight", (KV * hd, D)),
+                "v_proj": ("self_attn.v_proj.weight", (KV * hd, D)),
+                "o_proj": ("self_attn.o_proj.weight", (D, H * hd))}
 
     def new_state(self, max_len: int, batch: int = 1, device="cpu",
                   dtype=torch.float32) -> KVCache:

@@ -14,8 +14,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .config import Config
-from .model import meta_model
-from .weights.names import MODEL_TENSORS, layers_holding, tensor_shapes
+from .model import Model, meta_model
+from .parts import layer_params
 
 
 @dataclass
@@ -38,29 +38,19 @@ class ParamRow:
 
 
 def parameter_table(c: Config) -> list[ParamRow]:
-    """One row per component and shape, in model order; a tied LM head has no row of its own."""
-    rows = []
-    for field in tensor_shapes(c):
-        if field in BUFFERS:
-            continue
-        component = "embedding" if field == "embed" else field
-        for shape, copies in shapes_held(c, field).items():
-            rows.append(ParamRow(component, shape, math.prod(shape), copies,
-                                 field not in MODEL_TENSORS, active_of(c, field, shape)))
-    return rows
-
-
-def shapes_held(c: Config, field: str) -> dict[tuple, int]:
-    """Each shape of `field` the model holds, and how many copies: one shape in the layers
-    that hold it (1 outside the layers), or one per shape where layers differ in shape."""
-    if field in MODEL_TENSORS or not c.varied_layers:
-        return {tensor_shapes(c)[field]: layers_holding(c, field)}
-    counts: dict[tuple, int] = {}
-    for i in range(c.n_layers):
-        shape = tensor_shapes(c, i).get(field)
-        if shape is not None:
-            counts[shape] = counts.get(shape, 0) + 1
-    return counts
+    """One row per component and shape, in model order: the embedding, each layer's weights as
+    its parts say them (`parts.Part.tensors`), then the final norm and the LM head (a tied head
+    has no row of its own). Layers alike share a row: `copies` counts them."""
+    model = Model(c)  # its parts, no weights
+    tables = {field: shape for field, (_, shape) in model.tensors().items()}
+    held = {("embed", tables["embed"]): 1}  # (field, shape) -> the copies the model holds
+    for block in model.blocks:
+        for field, shape in layer_params(block).items():
+            held[field, shape] = held.get((field, shape), 0) + 1
+    held.update({(field, shape): 1 for field, shape in tables.items() if field != "embed"})
+    return [ParamRow("embedding" if field == "embed" else field, shape, math.prod(shape), copies,
+                     field not in tables, active_of(c, field, shape))
+            for (field, shape), copies in held.items() if field not in BUFFERS]
 
 
 # tensors a checkpoint holds that are no parameters: DeepSeek-V3's router bias is set by a rule

@@ -6,12 +6,24 @@ Each position is transformed on its own: nothing here mixes tokens.
 import torch
 import torch.nn.functional as F
 
+from .parts import Part
 from .trace import NO_TRACE
 
 
-class MLP:
-    """One layer's gated MLP: x [B, T, D] -> [B, T, D], reading `w.gate`, `w.up`, `w.down`."""
+class MLP(Part):
+    """One layer's gated MLP: x [B, T, D] -> [B, T, D], reading `w.gate`, `w.up`, `w.down`,
+    F = width wide."""
     act_name = "silu"  # what gates: SiLU (SwiGLU)
+
+    def __init__(self, hidden: int, width: int):
+        self.hidden, self.width = hidden, width
+
+    def tensors(self):
+        """Its weights: field -> (Hugging Face name after "model.layers.N.", shape)."""
+        D, Fsz = self.hidden, self.width
+        return {"gate": ("mlp.gate_proj.weight", (Fsz, D)),
+                "up": ("mlp.up_proj.weight", (Fsz, D)),
+                "down": ("mlp.down_proj.weight", (D, Fsz))}
 
     def __call__(self, x: torch.Tensor, w, trace=NO_TRACE, name: str = "mlp") -> torch.Tensor:
         B, T, D = x.shape
@@ -33,5 +45,6 @@ class MLP:
 
 
 def swiglu(x: torch.Tensor, w, trace=NO_TRACE, name: str = "mlp") -> torch.Tensor:
-    """The gated MLP as one call: `MLP()(x, w, trace, name)`."""
-    return MLP()(x, w, trace, name)
+    """The gated MLP as one call, its sizes read off its weights (w.gate is [F, D])."""
+    width, hidden = w.gate.shape
+    return MLP(hidden, width)(x, w, trace, name)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from operator import attrgetter
 
 import torch
 import torch.nn.functional as F
@@ -21,50 +20,22 @@ from .config import FIELD_DEFAULTS, Config
 from .embed import embed
 from .errors import LlmTraceError
 from .kv_cache import KVCache
-from .mechanisms.deltanet import DeltaNetWeights, hf_deltanet_state_dict, hf_deltanet_weights
-from .mechanisms.mla import MlaWeights
-from .mechanisms.moe import (MlpWeights, MoeWeights, hf_gpt_oss_tensors, hf_llama4_tensors,
-                             hf_moe_weights)
 from .memory import check_budget, keep_freed_memory_if_asked, needs_estimate
 from .mlp import MLP
 from .norm import rms_norm
+from .parts import LayerWeights, layer_on_disk, load_layer, save_layer
 from .trace import NO_TRACE, Patched, Trace
-from .weights.names import (DENSE_MLP, FUSED_EXPERTS, LAYER_TENSORS, MLA_TENSORS, MODEL_TENSORS,
-                            expected_shapes, hf_name, moe_hf_names, tensor_shapes)
 
 
-@dataclass(kw_only=True)
-class LayerWeights:
-    attn_norm: torch.Tensor | None = None  # [D]   (None: no norm before a sublayer, OLMo 2)
-    # (None on a Gated DeltaNet layer, which has `linear` instead: Qwen3-Next)
-    q_proj: torch.Tensor | None = None  # [H*hd, D]   (out, in), as F.linear takes it
-    k_proj: torch.Tensor | None = None  # [KV*hd, D]   (None: latent attention's `mla`,
-    v_proj: torch.Tensor | None = None  # [KV*hd, D]   Gemma 4's shared layers, k_eq_v's V)
-    o_proj: torch.Tensor | None = None  # [D, H*hd]
-    mlp_norm: torch.Tensor | None = None  # [D]
-    gate: torch.Tensor | None = None  # [F, D]   (None in a mixture of experts' layer)
-    up: torch.Tensor | None = None  # [F, D]
-    down: torch.Tensor | None = None  # [D, F]
-    q_bias: torch.Tensor | None = None  # [H*hd]   qkv_bias (Qwen2)
-    k_bias: torch.Tensor | None = None  # [KV*hd]
-    v_bias: torch.Tensor | None = None  # [KV*hd]
-    q_norm: torch.Tensor | None = None  # [hd]     qk_norm (Qwen3); [H*hd] over the projection
-    k_norm: torch.Tensor | None = None  # [hd]     ([KV*hd], OLMo 2)
-    post_attn_norm: torch.Tensor | None = None  # [D]  (sandwich_norm: Gemma)
-    post_mlp_norm: torch.Tensor | None = None  # [D]
-    sinks: torch.Tensor | None = None  # [H]   attn_sinks (gpt-oss): each head's sink logit
-    o_bias: torch.Tensor | None = None  # [D]   o_bias (gpt-oss)
-    ple_gate: torch.Tensor | None = None  # [P, D]   Gemma 4's per-layer input (ple_size)
-    ple_proj: torch.Tensor | None = None  # [D, P]
-    ple_norm: torch.Tensor | None = None  # [D]
-    layer_scalar: torch.Tensor | None = None  # [1]
-    moe: MoeWeights | None = None  # a mixture of experts in place of gate, up, down (Mixtral)
-    mla: MlaWeights | None = None  # kv_lora_rank (DeepSeek): latent attention's weights
-    linear: DeltaNetWeights | None = None  # a Gated DeltaNet layer's (layer_types "linear")
+# the Hugging Face names of the tables and the final norm, every family's
+TABLE_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+               "lm_head": "lm_head.weight"}
 
 
 @dataclass
 class Weights:
+    """The model's weights: the tables and final norm (`Model.tensors`), and each layer's, by the
+    fields its parts read (`parts.LayerWeights`)."""
     embed: torch.Tensor  # [V, D]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [D]
@@ -76,68 +47,13 @@ class Weights:
 
 def weights_from_state_dict(c: Config, sd: dict[str, torch.Tensor],
                             source: str = "checkpoint") -> Weights:
-    """Check every tensor against the config, then arrange them by layer."""
-    expected = expected_shapes(c)
-    for name, shape in expected.items():
-        if name not in sd:
-            raise LlmTraceError(f"{source}: tensor {name} is missing "
-                                f"(config {c.name!r} expects it)")
-        if tuple(sd[name].shape) != shape:
-            raise LlmTraceError(f"{source}: {name} has shape {list(sd[name].shape)} "
-                                f"but the config implies {list(shape)}: "
-                                "the checkpoint and its config.json disagree")
-    layers = [LayerWeights(**{f: sd[hf_name(f, i, c)] for f in LAYER_TENSORS
-                              if hf_name(f, i, c) in expected
-                              and not (c.kv_lora_rank and f in ("q_proj", "o_proj"))},
-                           mla=mla_weights(c, sd, i) if c.kv_lora_rank else None,
-                           linear=hf_deltanet_weights(sd.__getitem__, f"model.layers.{i}",
-                                                      c.deltanet_dims, c.family)
-                           if c.is_linear(i) else None)
-              for i in range(c.n_layers)]
-    for i, lw in enumerate(layers):
-        if c.is_moe(i):  # the experts' matrices stacked, expert e's at [e]
-            lw.moe = hf_moe_weights(sd.__getitem__, f"model.layers.{i}", c.family, c.n_experts,
-                                    shared=bool(c.n_shared_experts))
-        if c.is_moe(i) and c.shared_ffn_size:  # Qwen3-Next: a gated shared expert
-            names = moe_hf_names(c, i)
-            lw.moe.shared = MlpWeights(*(sd[names[f"moe.shared.{f}"]] for f in DENSE_MLP))
-            lw.moe.shared_gate = sd[names["moe.shared_gate"]]
-    embed = sd[hf_name("embed")]
-    head = embed if c.tied_lm_head else sd[hf_name("lm_head")]
-    extra = {f: sd[hf_name(f)] for f in ("ple_table", "ple_model_proj", "ple_model_norm")
-             if hf_name(f) in expected}
-    return Weights(embed, layers, sd[hf_name("final_norm")], head, **extra)
-
-
-def mla_weights(c: Config, sd: dict, i: int) -> MlaWeights:
-    """Layer i's latent attention weights, by the names of `MLA_TENSORS`."""
-    shapes = tensor_shapes(c)
-    return MlaWeights(**{f.removeprefix("mla."): sd[hf_name(f, i, c)] for f in MLA_TENSORS
-                         if f in shapes})
+    """Check every tensor against the config, then arrange them by layer (`Model.load`)."""
+    return Model(c).load(sd, source)
 
 
 def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
     """The inverse, in HF naming (used to write HF checkpoints)."""
-    sd = {hf_name(f): getattr(w, f) for f in MODEL_TENSORS
-          if (f != "lm_head" or not c.tied_lm_head) and getattr(w, f) is not None}
-    for i, lw in enumerate(w.layers):
-        sd.update({hf_name(f, i, c): getattr(lw, f) for f in LAYER_TENSORS
-                   if getattr(lw, f) is not None})
-        if lw.linear is not None:  # Qwen3-Next: as HF stores a Gated DeltaNet layer
-            sd.update(hf_deltanet_state_dict(lw.linear, f"model.layers.{i}", c.deltanet_dims,
-                                             c.family))
-        if lw.moe is not None and c.mlp_act == FUSED_EXPERTS:  # gpt-oss: fused, as on disk
-            sd.update(hf_gpt_oss_tensors(lw.moe, f"model.layers.{i}"))
-        elif lw.moe is not None and c.family == "llama4_text":  # Llama 4: fused too
-            sd.update(hf_llama4_tensors(lw.moe, f"model.layers.{i}"))
-        elif lw.moe is not None:  # each expert's matrix under its own name
-            for field, names in moe_hf_names(c, i).items():
-                t = attrgetter(field.removeprefix("moe."))(lw.moe)  # "shared.gate" too
-                sd.update({names: t} if isinstance(names, str) else dict(zip(names, t)))
-        if lw.mla is not None:
-            sd.update({hf_name(f, i, c): getattr(lw.mla, f.removeprefix("mla.")) for f in
-                       MLA_TENSORS if getattr(lw.mla, f.removeprefix("mla.")) is not None})
-    return sd
+    return Model(c, w).state_dict()
 
 
 # the book's two models by the names a reader knows them by (config name -> label)
@@ -176,9 +92,10 @@ class Model:
                                     f"{FIELD_DEFAULTS[name]!r}, or set family to one that "
                                     f"computes it")
 
-    def __init__(self, config: Config, weights: Weights, tokenizer=None, source: str = ""):
+    def __init__(self, config: Config, weights: Weights | None = None, tokenizer=None,
+                 source: str = ""):
         self.config = config
-        self.weights = weights
+        self.weights = weights  # None: the parts alone, to say what weights they read
         self.tokenizer = tokenizer
         self.source = source  # where the weights came from, for banners and --json
         self.blocks = [self.block(i) for i in range(config.n_layers)]
@@ -186,13 +103,53 @@ class Model:
     # --- the parts of each layer: a family's module overrides those it changes -------------
     def block(self, i: int) -> Block:
         """Layer i: pre-norm attention and MLP, Llama's, alike in every layer."""
-        return Block(self.attention(i), self.mlp(i), self.config.norm_eps, self.norm)
+        return Block(self.attention(i), self.mlp(i), self.config, self.norm)
 
     def attention(self, i: int) -> Attention:
         return Attention(self.config, i)
 
     def mlp(self, i: int) -> MLP:
-        return MLP()
+        return MLP(self.config.hidden_size, self.config.ffn_size)
+
+    # --- the weights: the tables here, each layer's as its parts say (`parts.Part.tensors`) ---
+    def tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """The weights outside the layers: field of `Weights` -> (Hugging Face name, shape).
+        A tied LM head reads the embedding's table, and has no tensor of its own."""
+        V, D, names = self.config.vocab_size, self.config.hidden_size, TABLE_NAMES
+        head = {} if self.config.tied_lm_head else {"lm_head": (names["lm_head"], (V, D))}
+        return {"embed": (names["embed"], (V, D)), "final_norm": (names["final_norm"], (D,)),
+                **head}
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight's Hugging Face name, and the shape the config implies for it on disk."""
+        shapes = {name: shape for name, shape in self.tensors().values()}
+        for i, block in enumerate(self.blocks):
+            shapes.update(layer_on_disk(block, i))
+        return shapes
+
+    def load(self, sd: dict[str, torch.Tensor], source: str = "checkpoint") -> Weights:
+        """The weights from a state dict in Hugging Face's names, each checked against the
+        shape the config implies; each layer's parts read their own."""
+        for name, shape in self.expected_shapes().items():
+            if name not in sd:
+                raise LlmTraceError(f"{source}: tensor {name} is missing "
+                                    f"(config {self.config.name!r} expects it)")
+            if tuple(sd[name].shape) != shape:
+                raise LlmTraceError(f"{source}: {name} has shape {list(sd[name].shape)} "
+                                    f"but the config implies {list(shape)}: "
+                                    "the checkpoint and its config.json disagree")
+        layers = [load_layer(block, sd.__getitem__, i) for i, block in enumerate(self.blocks)]
+        tables = {field: sd[name] for field, (name, _) in self.tensors().items()}
+        tables.setdefault("lm_head", tables["embed"])  # tied: the same tensor
+        return Weights(layers=layers, **tables)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under their Hugging Face names, as a checkpoint stores them."""
+        w = self.weights
+        sd = {name: getattr(w, field) for field, (name, _) in self.tensors().items()}
+        for i, (block, lw) in enumerate(zip(self.blocks, w.layers)):
+            sd.update(save_layer(block, lw, i))
+        return sd
 
     @property
     def name(self) -> str:
@@ -298,9 +255,10 @@ def meta_model(config: Config | str, tokenizer=None) -> Model:
     """A model whose weights live on PyTorch's `meta` device: every op computes shapes, not
     values, and allocates nothing. Tracing it gives the exact shape walk of any config."""
     c = Config.from_name(config) if isinstance(config, str) else config
-    sd = {name: torch.empty(shape, device="meta") for name, shape in expected_shapes(c).items()}
-    return Model(c, weights_from_state_dict(c, sd, "meta"), tokenizer,
-                 source="meta device (shapes only)")
+    model = Model(c, tokenizer=tokenizer, source="meta device (shapes only)")
+    model.weights = model.load({name: torch.empty(shape, device="meta")
+                                for name, shape in model.expected_shapes().items()}, "meta")
+    return model
 
 
 def trace_shapes(config: Config | str, prompt: int | torch.Tensor = 6, decode_steps: int = 1,

@@ -125,7 +125,7 @@ def moe_of_layer_0(model) -> Model:
     gate, up = rows(lw.gate), rows(lw.up)  # [E, F, D] each
     down = lw.down[:, :EXPERTS * F].reshape(-1, EXPERTS, F).transpose(0, 1)  # [E, D, F]
     moe = MoeWeights(router=gate.mean(dim=1), gate=gate, up=up, down=down)  # router [E, D]
-    layer = dataclasses.replace(lw, gate=None, up=None, down=None, moe=moe)
+    layer = lw.replace(gate=None, up=None, down=None, moe=moe)
     config = c.replace(n_layers=1, layer_types=c.layer_types[:1], n_experts=EXPERTS,
                        no_rope_layers=c.no_rope_layers[:1],
                        n_experts_active=CHOSEN, moe_ffn_size=F)
@@ -230,7 +230,7 @@ def _(model) -> Case:
     it records, its kv_b_proj weight, and the keys and values it rebuilt from them."""
     from llmtrace.attention import Positions
     from llmtrace.mechanisms.mla import LatentAttention, MlaWeights
-    from llmtrace.model import LayerWeights
+    from llmtrace.parts import LayerWeights
 
     D = model.config.hidden_size
     H, R, dn, dr, dv = 4, 16, 8, 4, 6
@@ -294,7 +294,7 @@ def _(model) -> Case:
                     layer_types=("full",) if c.layer_types else (),
                     mlp_types=c.mlp_types[:1],
                     no_rope_layers=c.no_rope_layers[:1])  # layer 0 alone, its window lifted
-    layer = dataclasses.replace(lw, sinks=sinks.to(lw.q_proj.dtype))
+    layer = lw.replace(sinks=sinks.to(lw.q_proj.dtype))
     first = dataclasses.replace(model.weights, layers=[layer])
     names = ["layers.0.attn.scores", "layers.0.attn.weights"]
     trace = Trace(names=names)

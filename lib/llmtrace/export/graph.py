@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 
 from ..errors import LlmTraceError, first_line
-from ..model import Model, state_dict_from_weights, weights_from_state_dict
+from ..model import TABLE_NAMES, Model, state_dict_from_weights, weights_from_state_dict
 from ..trace import Record, Trace, _dtype_name
-from ..weights.names import hf_name
 from .manifest import FP32_GRAPH, GRAPH, INPUT, LOGITS, _entry
 from .pack import _lens_head_from_table
 
@@ -112,8 +111,8 @@ class _Lens(torch.nn.Module):
     def __init__(self, model: Model):
         super().__init__()
         self.config, self.norm = model.config, model.norm
-        _buffers(self, {hf_name("final_norm"): model.weights.final_norm,
-                        hf_name("embed"): model.weights.lm_head})
+        _buffers(self, {TABLE_NAMES["final_norm"]: model.weights.final_norm,
+                        TABLE_NAMES["embed"]: model.weights.lm_head})
 
     def forward(self, resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from types import SimpleNamespace
@@ -121,8 +120,8 @@ class _Lens(torch.nn.Module):
         from ..lens import grid_of
 
         buffers = dict(self.named_buffers())
-        weights = SimpleNamespace(final_norm=buffers[hf_name("final_norm")],
-                                  lm_head=buffers[hf_name("embed")])
+        weights = SimpleNamespace(final_norm=buffers[TABLE_NAMES["final_norm"]],
+                                  lm_head=buffers[TABLE_NAMES["embed"]])
         # the model's own head, on the two weights it reads
         model = SimpleNamespace(weights=weights, config=self.config, norm=self.norm)
         grid = grid_of(lambda x: Model.head(model, x), resid[:, 0], self.config.vocab_size)

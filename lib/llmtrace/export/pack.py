@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import LlmTraceError
-from ..model import Model
-from ..weights.names import hf_name
+from ..model import TABLE_NAMES, Model
 from .manifest import LOGITS
 
 QUANTIZED = ("Q4_1 blocks (MatMulNBits) + Q8_0 embedding and head "
@@ -73,7 +72,7 @@ def quantize_graph(source: Path, target: Path, blocks: dict, model: Model) -> No
     import onnx_ir as ir
 
     c = model.config
-    if not c.tied_lm_head or blocks.get(hf_name("embed"), ("",))[0] != "Q8_0" \
+    if not c.tied_lm_head or blocks.get(TABLE_NAMES["embed"], ("",))[0] != "Q8_0" \
             or any(blocks.get(n, ("",))[0] != "Q4_1" for n in _linear_names(c)):
         raise LlmTraceError(f"{model.name}: the quantized export reads a tied Q8_0 embedding and "
                             f"Q4_1 layers, as the embedded GGUF holds them")
@@ -106,7 +105,7 @@ def quantize_graph(source: Path, target: Path, blocks: dict, model: Model) -> No
              K=K, N=N, bits=4, block_size=BLOCK)
 
     V, D = c.vocab_size, c.hidden_size
-    q, d = q8_0_as_uint8(blocks[hf_name("embed")][1], D)
+    q, d = q8_0_as_uint8(blocks[TABLE_NAMES["embed"]][1], D)
     _check_same("embed_tokens", ((q.astype(np.float32) - 128) * d).reshape(V, D),
                 model.weights.embed.numpy(), model)
     table = constant("model.embed_tokens.q8", q)  # [V, D/32, 32]: both nodes read it
@@ -150,7 +149,7 @@ def _lens_head_from_table(g, c) -> None:
         x, w = node.inputs[:2]
         attrs = {k: a.value for k, a in node.attributes.items()}
         plain = {"transA": 0, "transB": 1, "alpha": 1.0, "beta": 1.0}
-        if w is not names[hf_name("embed")] or any(i is not None for i in node.inputs[2:]) \
+        if w is not names[TABLE_NAMES["embed"]] or any(i is not None for i in node.inputs[2:]) \
                 or any(attrs.get(k, 0 if k == "transA" else 1) != v for k, v in plain.items()):
             raise LlmTraceError(f"the lens's head is not x @ embed_tokens^T ({attrs})")
         new = ir.node("MatMulNBits", [x, table, scales], domain="com.microsoft",
@@ -158,7 +157,7 @@ def _lens_head_from_table(g, c) -> None:
                                   "block_size": BLOCK})
         g.insert_before(node, new)
         _rename(node, new, g)
-    del g.initializers[hf_name("embed")]
+    del g.initializers[TABLE_NAMES["embed"]]
     g.opset_imports["com.microsoft"] = 1
 
 

@@ -13,20 +13,26 @@ Llama's parts (attention.py, mlp.py, norm.py, block.py) never name a family; wha
 add is `mechanisms/` (a step of Llama's attention overridden, a mixture of experts, latent
 attention...), and `_parts.py` the choices several families read from the same fields.
 
+Every part names the weights it reads, under HF's names, with their shapes (`parts.Part`:
+`tensors`, and `load`, `save`, `on_disk` where it stores them otherwise); loading, saving,
+checking a checkpoint and counting parameters loop over a layer's parts. A family that stores a
+part's weights under other names subclasses it and says so, as Mixtral's experts do:
+
+    class MixtralMoE(MoE):
+        block, kinds = "block_sparse_moe", ("w1", "w3", "w2")
+
 To add a family: write `families/<name>.py` (copy the nearest one: `olmoe.py` is the newest),
 holding `FAMILY = Family(...)` and its `Model` subclass, and add its line to `REGISTRY` below.
-If it brings a mechanism no family had, write it as a part (or one step) in `mechanisms/`, its
-fields in `Config` (validated in `config_checks.py`) and its weights' shapes in
-`weights/names.py`. Then one row in `tests/tiny_checkpoint.py`'s `ROWS` (HF's classes, a tiny
-config.json, the fields to turn off, the records only it has): the parity, map and shape tests
-read it.
+If it brings a mechanism no family had, write it as a part (or one step) in `mechanisms/`, with
+its weights (`tensors`) and its fields in `Config` (validated in `config_checks.py`). Then one
+row in `tests/tiny_checkpoint.py`'s `ROWS` (HF's classes, a tiny config.json, the fields to turn
+off, the records only it has): the parity, map and shape tests read it.
 
 A mixture of experts is fields: `read` sets n_experts, n_experts_active, moe_ffn_size,
-moe_router (one of config_checks.ROUTERS), moe_renormalize and, when some layers stay dense,
-mlp_types (per layer "dense" or "moe"); `Config.is_moe(i)` says which layers load a
-`LayerWeights.moe` (moe.MoeWeights) and run `mechanisms.moe.MoE`. The experts' names on disk:
-moe.HF_EXPERT_NAMES (read by moe.hf_moe_weights and, for the shapes, weights/names.py's
-`moe_hf_names`).
+moe_router (a `mechanisms.moe.Router` by its name in config_checks.ROUTERS), moe_renormalize
+and, when some layers stay dense, mlp_types (per layer "dense" or "moe"); `Config.is_moe(i)`
+says which layers are a `mechanisms.moe.MoE` (or the family's subclass), whose weights are
+`w.moe` (moe.MoeWeights).
 """
 
 from __future__ import annotations

@@ -20,12 +20,12 @@ def window(c, i: int):
     return Windowed if c.is_sliding(i) else None
 
 
-def mlp_of(c, i: int):
-    """Layer i's MLP: a mixture of experts where the config says, else the gated MLP
-    (GeGLU if its activation is Gemma's)."""
+def mlp_of(c, i: int, moe=MoE):
+    """Layer i's MLP: a mixture of experts where the config says (`moe`, the family's kind),
+    else the gated MLP (GeGLU if its activation is Gemma's)."""
     if c.is_moe(i):
-        return MoE(c, i)
-    return GeGLU() if c.mlp_act == "gelu_tanh" else MLP()
+        return moe(c, i)
+    return (GeGLU if c.mlp_act == "gelu_tanh" else MLP)(c.hidden_size, c.ffn_size)
 
 
 def norm_of(c):

@@ -7,6 +7,7 @@ from ..errors import LlmTraceError
 from . import Family
 from ._read import HFKeys, plain_rope
 from ..mechanisms.mla import LatentAttention
+from ..mechanisms.moe import MoE, SigmoidGroup
 from ..model import Model
 from ._parts import mlp_of, positions_of
 
@@ -142,6 +143,26 @@ FAMILY = Family("deepseek_v3", "DeepSeek-V3", "DeepseekV3ForCausalLM", "Deepseek
                 read=read, write=write, biased=("attention_bias",), keys=KEYS)
 
 
+class DeepseekMoE(MoE):
+    """DeepSeek's experts, named as Qwen3-MoE's; its shared experts one dense MLP
+    (n_shared_experts x moe_intermediate_size wide); V3's router bias, for choosing only."""
+
+    def __init__(self, config, layer: int = 0):
+        super().__init__(config, layer)
+        self.shared = config.n_shared_experts * config.moe_ffn_size  # 0: none
+
+    def tensors(self):
+        D, Fs, p = self.hidden, self.shared, "mlp.shared_experts"
+        out = super().tensors()
+        if isinstance(self.router, SigmoidGroup):  # V3: e_score_correction_bias
+            out["moe.score_bias"] = ("mlp.gate.e_score_correction_bias", (self.n_experts,))
+        if Fs:
+            out.update({"moe.shared.gate": (f"{p}.gate_proj.weight", (Fs, D)),
+                        "moe.shared.up": (f"{p}.up_proj.weight", (Fs, D)),
+                        "moe.shared.down": (f"{p}.down_proj.weight", (D, Fs))})
+        return out
+
+
 class DeepseekV3(Model, family="deepseek_v3"):
     """Llama with multi-head latent attention (K and V rebuilt from a cached latent), YaRN, and a
     mixture of experts (sigmoid scores, groups, a shared expert) after the first dense layers."""
@@ -150,7 +171,7 @@ class DeepseekV3(Model, family="deepseek_v3"):
         return LatentAttention(self.config, i)
 
     def mlp(self, i):
-        return mlp_of(self.config, i)
+        return mlp_of(self.config, i, DeepseekMoE)
 
     def positions(self, start, T):
         return positions_of(self, start, T)

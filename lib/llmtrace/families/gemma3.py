@@ -115,7 +115,7 @@ class Gemma3(Model, family="gemma3_text"):
         c = self.config
         if not c.sandwich_norm:
             return super().block(i)
-        return SandwichBlock(self.attention(i), self.mlp(i), c.norm_eps, self.norm, c.pre_norm)
+        return SandwichBlock(self.attention(i), self.mlp(i), c, self.norm, c.pre_norm)
 
     def attention(self, i):
         c = self.config

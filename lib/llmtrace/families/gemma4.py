@@ -12,13 +12,14 @@ from ..embed import embed
 from ..errors import LlmTraceError
 from ..mechanisms import part
 from ..mechanisms.attention_steps import Scaled
-from ..mechanisms.gemma import SandwichBlock, scaled_embed
-from ..mechanisms.gemma4 import (Gemma4Attention, Gemma4Block, PleWeights,
+from ..mechanisms.gemma import GeGLU, SandwichBlock, scaled_embed
+from ..mechanisms.gemma4 import (Gemma4Attention, Gemma4Block, PleWeights, config_layer_shapes,
                                  per_layer_inputs, proportional_cos_sin, softcap)
+from ..mlp import MLP
 from ..model import Model
 from ..rope import rope_cos_sin
 from ..trace import NO_TRACE
-from ._parts import mlp_of, norm_of, window
+from ._parts import norm_of, window
 from ..mechanisms.gemma4 import layer_kinds, refuse_unsupported, rope_settings
 from . import Family
 from ._read import HFKeys
@@ -174,15 +175,19 @@ class Gemma4(Model, family="gemma4_text"):
 
     def block(self, i):
         c = self.config
-        inner = SandwichBlock(self.attention(i), self.mlp(i), c.norm_eps, self.norm)
-        return Gemma4Block(inner, i, bool(c.ple_size), c.layer_scalar)
+        inner = SandwichBlock(self.attention(i), self.mlp(i), c, self.norm)
+        return Gemma4Block(inner, i, c.ple_size, c.layer_scalar)
 
     def attention(self, i):
         c = self.config
         return part(c.attn_scale and Scaled, window(c, i), Gemma4Attention)(c, i)
 
     def mlp(self, i):
-        return mlp_of(self.config, i)
+        """GeGLU (its mlp_act), as wide as its layer (twice on shared layers, with
+        use_double_wide_mlp)."""
+        c = self.config
+        mlp = GeGLU if c.mlp_act == "gelu_tanh" else MLP
+        return mlp(c.hidden_size, config_layer_shapes(c)[i].ffn_size)
 
     def positions(self, start, T):
         """Full layers turn part of each wider head (`proportional_cos_sin`); sliding layers
@@ -200,6 +205,15 @@ class Gemma4(Model, family="gemma4_text"):
                               pos.mask, pos.more)
         pos.more["local"] = local
         return pos
+
+    def tensors(self):
+        """Llama's tables, and the per-layer inputs' table, projection and norm."""
+        c = self.config
+        D, P, LP = c.hidden_size, c.ple_size, c.n_layers * c.ple_size
+        ple = {"ple_table": ("model.embed_tokens_per_layer.weight", (c.ple_vocab, LP)),
+               "ple_model_proj": ("model.per_layer_model_projection.weight", (LP, D)),
+               "ple_model_norm": ("model.per_layer_projection_norm.weight", (P,))}
+        return {**super().tensors(), **(ple if P else {})}
 
     def embed(self, ids, trace=NO_TRACE):
         table = self.weights.embed

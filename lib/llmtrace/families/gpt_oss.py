@@ -10,6 +10,9 @@ from .gemma3 import HF_LAYER_KINDS
 from ..attention import Attention
 from ..mechanisms import part
 from ..mechanisms.attention_steps import Biased, OutBiased, Sinks
+import torch
+
+from ..mechanisms.moe import MoE, MoeWeights
 from ..model import Model
 from ._parts import mlp_of, positions_of, window
 
@@ -109,6 +112,55 @@ FAMILY = Family("gpt_oss", "gpt-oss", "GptOssForCausalLM", "GptOssConfig", DEFAU
                       "o_bias": "attention_bias"})
 
 
+class GptOssMoE(MoE):
+    """gpt-oss's experts, with a bias on the router and on each matrix, stored fused as HF's
+    GptOssExperts holds them: gate and up interleaved on the last axis (g0 u0 g1 u1 ...), each
+    matrix as x @ W, transposed from F.linear's."""
+
+    def tensors(self):
+        E, D, Fm = self.n_experts, self.hidden, self.width
+        return {"moe.router": ("mlp.router.weight", (E, D)),
+                "moe.router_bias": ("mlp.router.bias", (E,)),
+                "moe.gate": ("mlp.experts.gate_up_proj[..., ::2]", (E, Fm, D)),
+                "moe.up": ("mlp.experts.gate_up_proj[..., 1::2]", (E, Fm, D)),
+                "moe.down": ("mlp.experts.down_proj", (E, D, Fm)),
+                "moe.gate_bias": ("mlp.experts.gate_up_proj_bias[:, ::2]", (E, Fm)),
+                "moe.up_bias": ("mlp.experts.gate_up_proj_bias[:, 1::2]", (E, Fm)),
+                "moe.down_bias": ("mlp.experts.down_proj_bias", (E, D))}
+
+    def on_disk(self):
+        E, D, Fm, p = self.n_experts, self.hidden, self.width, "mlp"
+        return {f"{p}.router.weight": (E, D), f"{p}.router.bias": (E,),
+                f"{p}.experts.gate_up_proj": (E, D, 2 * Fm),  # g0 u0 g1 u1 ... on the last axis
+                f"{p}.experts.gate_up_proj_bias": (E, 2 * Fm),
+                f"{p}.experts.down_proj": (E, Fm, D), f"{p}.experts.down_proj_bias": (E, D)}
+
+    def load(self, get, prefix):
+        p = f"{prefix}.mlp"
+        gate_up = get(f"{p}.experts.gate_up_proj")  # [E, D, 2F]: g0 u0 g1 u1 ...
+        gate_up_bias = get(f"{p}.experts.gate_up_proj_bias")  # [E, 2F]
+        return {"moe": MoeWeights(
+            router=get(f"{p}.router.weight"), router_bias=get(f"{p}.router.bias"),
+            gate=gate_up[..., ::2].transpose(1, 2).contiguous(),  # [E, F, D]
+            up=gate_up[..., 1::2].transpose(1, 2).contiguous(),  # [E, F, D]
+            down=get(f"{p}.experts.down_proj").transpose(1, 2).contiguous(),  # [E, D, F]
+            gate_bias=gate_up_bias[:, ::2].contiguous(),  # [E, F]
+            up_bias=gate_up_bias[:, 1::2].contiguous(),  # [E, F]
+            down_bias=get(f"{p}.experts.down_proj_bias"))}  # [E, D]
+
+    def save(self, w, prefix):
+        m, p = w.moe, f"{prefix}.mlp"
+        E, Fm, D = m.gate.shape
+        gate_up = torch.stack([m.gate, m.up], dim=-1)  # [E, F, D, 2]: gate, up side by side
+        gate_up = gate_up.permute(0, 2, 1, 3).reshape(E, D, 2 * Fm)  # [E, D, 2F]: g0 u0 g1 u1
+        return {f"{p}.router.weight": m.router, f"{p}.router.bias": m.router_bias,
+                f"{p}.experts.gate_up_proj": gate_up,
+                f"{p}.experts.gate_up_proj_bias": torch.stack([m.gate_bias, m.up_bias],
+                                                              dim=-1).reshape(E, 2 * Fm),
+                f"{p}.experts.down_proj": m.down.transpose(1, 2),  # [E, F, D]
+                f"{p}.experts.down_proj_bias": m.down_bias}  # [E, D]
+
+
 class GptOss(Model, family="gpt_oss"):
     """Llama with biases on Q, K, V and O, a learned sink per head, sliding layers between full
     ones, YaRN, and a mixture of experts with biases and a clamped GLU."""
@@ -119,7 +171,7 @@ class GptOss(Model, family="gpt_oss"):
                     window(c, i), Attention)(c, i)
 
     def mlp(self, i):
-        return mlp_of(self.config, i)
+        return mlp_of(self.config, i, GptOssMoE)
 
     def positions(self, start, T):
         return positions_of(self, start, T)

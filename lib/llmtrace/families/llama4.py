@@ -11,7 +11,9 @@ from ..attention import Attention
 from ..errors import LlmTraceError
 from ..mechanisms import part
 from ..mechanisms.attention_steps import Chunked, Interleaved, L2Normed, Tempered, Unturned
-from ..mechanisms.moe import InputScaledMoE
+import torch
+
+from ..mechanisms.moe import InputScaledMoE, MlpWeights, MoeWeights
 from ..mlp import MLP
 from ..model import Model
 from . import Family
@@ -130,6 +132,59 @@ FAMILY = Family("llama4_text", "Llama 4", "Llama4ForCausalLM", "Llama4TextConfig
                       "attn_temperature": "floor_scale, attn_scale"})
 
 
+class FeedForward(MLP):
+    """Llama 4's dense MLP, which HF calls the feed-forward block."""
+
+    def tensors(self):
+        return {f: (name.replace("mlp.", "feed_forward.", 1), shape)
+                for f, (name, shape) in super().tensors().items()}
+
+
+class Llama4MoE(InputScaledMoE):
+    """Llama 4's experts as HF stores them, under feed_forward: fused, gate and up side by side
+    on the last axis (halves, not interleaved), each matrix as x @ W; the router; the shared
+    expert, a dense MLP."""
+
+    def tensors(self):
+        E, D, Fm, Fs = self.n_experts, self.hidden, self.width, self.width * self.shared
+        p = "feed_forward"
+        out = {"moe.router": (f"{p}.router.weight", (E, D)),
+               "moe.gate": (f"{p}.experts.gate_up_proj[..., :F]", (E, Fm, D)),
+               "moe.up": (f"{p}.experts.gate_up_proj[..., F:]", (E, Fm, D)),
+               "moe.down": (f"{p}.experts.down_proj", (E, D, Fm))}
+        shared = {"moe.shared.gate": (f"{p}.shared_expert.gate_proj.weight", (Fs, D)),
+                  "moe.shared.up": (f"{p}.shared_expert.up_proj.weight", (Fs, D)),
+                  "moe.shared.down": (f"{p}.shared_expert.down_proj.weight", (D, Fs))}
+        return {**out, **(shared if Fs else {})}
+
+    def on_disk(self):
+        E, D, Fm = self.n_experts, self.hidden, self.width
+        fused = {"feed_forward.experts.gate_up_proj": (E, D, 2 * Fm),
+                 "feed_forward.experts.down_proj": (E, Fm, D)}
+        return {**{n: s for f, (n, s) in self.tensors().items()
+                   if f not in ("moe.gate", "moe.up", "moe.down")}, **fused}
+
+    def load(self, get, prefix):
+        p, Fm = f"{prefix}.feed_forward", self.width
+        gate_up = get(f"{p}.experts.gate_up_proj")  # [E, D, 2F]: gate | up
+        shared = (MlpWeights(*(get(f"{p}.shared_expert.{kind}_proj.weight")
+                               for kind in ("gate", "up", "down"))) if self.shared else None)
+        return {"moe": MoeWeights(
+            router=get(f"{p}.router.weight"),  # [E, D]
+            gate=gate_up[..., :Fm].transpose(1, 2).contiguous(),  # [E, F, D]
+            up=gate_up[..., Fm:].transpose(1, 2).contiguous(),  # [E, F, D]
+            down=get(f"{p}.experts.down_proj").transpose(1, 2).contiguous(),  # [E, D, F]
+            shared=shared)}
+
+    def save(self, w, prefix):
+        m, p = w.moe, f"{prefix}.feed_forward"
+        shared = ({f"{p}.shared_expert.{kind}_proj.weight": getattr(m.shared, kind)
+                   for kind in ("gate", "up", "down")} if self.shared else {})
+        return {f"{p}.router.weight": m.router,
+                f"{p}.experts.gate_up_proj": torch.cat([m.gate, m.up], dim=1).transpose(1, 2),
+                f"{p}.experts.down_proj": m.down.transpose(1, 2), **shared}  # [E, D, 2F], [E, F, D]
+
+
 class Llama4(Model, family="llama4_text"):
     """Llama with RoPE on adjacent pairs, QK-norm and chunks on the turned layers, a temperature
     on the others, and a mixture of experts with a shared one in the MLP of the layers it says."""
@@ -144,4 +199,5 @@ class Llama4(Model, family="llama4_text"):
                     Attention)(c, i)
 
     def mlp(self, i):
-        return InputScaledMoE(self.config, i) if self.config.is_moe(i) else MLP()
+        c = self.config
+        return Llama4MoE(c, i) if c.is_moe(i) else FeedForward(c.hidden_size, c.ffn_size)

@@ -7,6 +7,7 @@ from . import Family
 from ._read import HFKeys
 from .llama import DEFAULTS as LLAMA
 from .mistral import read as mistral_read, write as mistral_write
+from ..mechanisms.moe import MoE
 from ._parts import mlp_of
 from .mistral import Mistral
 
@@ -40,8 +41,14 @@ FAMILY = Family("mixtral", "Mixtral", "MixtralForCausalLM", "MixtralConfig", DEF
                       "moe_ffn_size": "intermediate_size"})  # HF's class has no bias
 
 
+class MixtralMoE(MoE):
+    """Mixtral's experts as HF stores them: block_sparse_moe.experts.{e}.w1 (gate), w3 (up) and
+    w2 (down), its router block_sparse_moe.gate."""
+    block, kinds = "block_sparse_moe", ("w1", "w3", "w2")
+
+
 class Mixtral(Mistral, family="mixtral"):
     """Mistral with a mixture of experts in every layer's MLP."""
 
     def mlp(self, i):
-        return mlp_of(self.config, i)
+        return mlp_of(self.config, i, MixtralMoE)

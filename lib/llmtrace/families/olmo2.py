@@ -26,7 +26,7 @@ class Olmo2(Model, family="olmo2"):
         c = self.config
         if not c.sandwich_norm:
             return super().block(i)
-        return SandwichBlock(self.attention(i), self.mlp(i), c.norm_eps, self.norm, c.pre_norm)
+        return SandwichBlock(self.attention(i), self.mlp(i), c, self.norm, c.pre_norm)
 
     def attention(self, i):
         c = self.config

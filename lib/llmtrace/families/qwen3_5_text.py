@@ -6,6 +6,7 @@ position ids of a text token are equal), so its mrope keys are read and left unu
 from ..errors import LlmTraceError
 from . import Family
 from .qwen3_next import DEFAULTS as QWEN3_NEXT, FAMILY as NEXT, read
+from ..mechanisms.deltanet import GatedDeltaNet
 from .qwen3_next import Qwen3Next
 
 MROPE_KEYS = ("mrope_section", "mrope_interleaved")
@@ -42,5 +43,12 @@ FAMILY = Family("qwen3_5_text", "Qwen3.5 (text)", "Qwen3_5ForCausalLM", "Qwen3_5
                 refuse=refuse, biased=NEXT.biased, not_null=NEXT.not_null, keys=NEXT.keys)
 
 
+class ApartDeltaNet(GatedDeltaNet):
+    """Qwen3.5 stores a DeltaNet layer's projections apart, flat: in_proj_qkv, in_proj_z,
+    in_proj_b, in_proj_a."""
+    layout = "qwen3_5_text"
+
+
 class Qwen35Text(Qwen3Next, family="qwen3_5_text"):
-    """Qwen3-Next's layers with a dense MLP."""
+    """Qwen3-Next's layers with a dense MLP, their DeltaNet projections stored apart."""
+    deltanet = ApartDeltaNet

@@ -12,6 +12,7 @@ from ..mechanisms import part
 from ..mechanisms.attention_steps import HeadNormed
 from ..mechanisms.deltanet import GatedAttention, GatedDeltaNet
 from ..mechanisms.gemma import OffsetNorm
+from ..mechanisms.moe import MoE
 from ..model import Model
 from ._parts import mlp_of, norm_of, rope_of
 
@@ -128,6 +129,23 @@ FAMILY = Family("qwen3_next", "Qwen3-Next", "Qwen3NextForCausalLM", "Qwen3NextCo
                 not_null=("head_dim", "num_key_value_heads"))
 
 
+class SharedGatedMoE(MoE):
+    """Qwen3-MoE's experts, and one shared expert (shared_expert_intermediate_size wide, 0:
+    none) that each position scales by a sigmoid gate of its own."""
+
+    def __init__(self, config, layer: int = 0):
+        super().__init__(config, layer)
+        self.shared = config.shared_ffn_size
+
+    def tensors(self):
+        D, Fs, p = self.hidden, self.shared, "mlp.shared_expert"
+        shared = {"moe.shared.gate": (f"{p}.gate_proj.weight", (Fs, D)),
+                  "moe.shared.up": (f"{p}.up_proj.weight", (Fs, D)),
+                  "moe.shared.down": (f"{p}.down_proj.weight", (D, Fs)),
+                  "moe.shared_gate": ("mlp.shared_expert_gate.weight", (1, D))}
+        return {**super().tensors(), **(shared if Fs else {})}
+
+
 class Qwen3Next(Model, family="qwen3_next"):
     """Gated DeltaNet layers (a fixed state per head) between gated attention layers (each
     head's output times a sigmoid gate, RoPE on a quarter of each head, QK-norm), norms around
@@ -137,15 +155,17 @@ class Qwen3Next(Model, family="qwen3_next"):
         self.norm = norm_of(config)
         super().__init__(config, *args, **kwargs)
 
+    deltanet = GatedDeltaNet  # its linear layers, as its checkpoints store them
+
     def attention(self, i):
         c = self.config
         if c.is_linear(i):
-            return GatedDeltaNet(c, i)
+            return self.deltanet(c, i)
         return part(c.qk_norm and c.norm_offset and OffsetNorm, c.qk_norm and HeadNormed,
                     GatedAttention if c.attn_output_gate else Attention)(c, i)
 
     def mlp(self, i):
-        return mlp_of(self.config, i)
+        return mlp_of(self.config, i, SharedGatedMoE)
 
     def positions(self, start, T):
         c, rope = self.config, rope_of(self.config)

@@ -18,6 +18,12 @@ from .gemma4 import unit_rms_norm
 class Biased(Attention):
     """Qwen2, gpt-oss: a bias vector added to Q, K and V, each a record of its own."""
 
+    def tensors(self):
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return {**super().tensors(), "q_bias": ("self_attn.q_proj.bias", (q,)),
+                "k_bias": ("self_attn.k_proj.bias", (kv,)),
+                "v_bias": ("self_attn.v_proj.bias", (kv,))}
+
     def qkv(self, x, w, trace, name):
         q, k, v = super().qkv(x, w, trace, name)  # [B, T, H*hd], [B, T, KV*hd] x 2
         q = trace.record(f"{name}.q_bias", "q_proj + b_q", q + w.q_bias)  # [B, T, H*hd]
@@ -34,6 +40,11 @@ class ProjNormed(Attention):
         super().__init__(config, layer)
         self.eps = config.norm_eps
 
+    def tensors(self):
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return {**super().tensors(), "q_norm": ("self_attn.q_norm.weight", (q,)),
+                "k_norm": ("self_attn.k_norm.weight", (kv,))}
+
     def qkv(self, x, w, trace, name):
         q, k, v = super().qkv(x, w, trace, name)  # [B, T, H*hd], [B, T, KV*hd] x 2
         q = rms_norm(q, w.q_norm, self.eps, trace, f"{name}.q_norm")  # [B, T, H*hd]
@@ -48,6 +59,11 @@ class HeadNormed(Attention):
     def __init__(self, config, layer: int = 0):
         super().__init__(config, layer)
         self.eps = config.norm_eps
+
+    def tensors(self):
+        hd = self.head_dim
+        return {**super().tensors(), "q_norm": ("self_attn.q_norm.weight", (hd,)),
+                "k_norm": ("self_attn.k_norm.weight", (hd,))}
 
     def heads(self, q, k, v, w, trace, name):
         q, k, v = super().heads(q, k, v, w, trace, name)  # [B, T, H | KV, hd]
@@ -130,12 +146,18 @@ def sink_softmax(scores, sinks, trace=NO_TRACE, name="attn"):
 class Sinks(Attention):
     """gpt-oss: a learned logit per head (`w.sinks` [H]), one more key in every row."""
 
+    def tensors(self):
+        return {**super().tensors(), "sinks": ("self_attn.sinks", (self.n_heads,))}
+
     def softmax(self, scores, w, trace, name):
         return sink_softmax(scores, w.sinks, trace, name)  # [B, H, T, S]
 
 
 class OutBiased(Attention):
     """gpt-oss: a bias on the output projection (`w.o_bias` [D])."""
+
+    def tensors(self):
+        return {**super().tensors(), "o_bias": ("self_attn.o_proj.bias", (self.hidden,))}
 
     def out_proj(self, merged, w):
         return F.linear(merged, w.o_proj, w.o_bias)  # [B, T, D]

@@ -34,6 +34,7 @@ from ..attention import Attention, repeat_kv
 from ..config_checks import DeltaNetDims  # noqa: F401  (its sizes, which a config checks)
 from ..errors import LlmTraceError
 from ..norm import rms_norm
+from ..parts import Part
 from ..rope import apply_rope
 from ..trace import NO_TRACE
 
@@ -311,12 +312,33 @@ def hf_deltanet_weights(get, prefix: str, dims: DeltaNetDims,
                            out_proj=get(f"{p}.out_proj.weight"))
 
 
-class GatedDeltaNet:
+class GatedDeltaNet(Part):
     """A Gated DeltaNet layer as a part, in attention's place (Qwen3-Next's "linear" layers):
-    its state a `DeltaNetState`, the same size at any length; its weights `w.linear`."""
+    its state a `DeltaNetState`, the same size at any length; its weights `w.linear`, stored
+    as `layout` stores them (`hf_deltanet_weights`)."""
+    layout = "qwen3_next"  # q, k, v, z and b, a fused, grouped per key head
 
     def __init__(self, config, layer: int = 0):
-        self.dims = config.deltanet_dims
+        self.dims, self.hidden = config.deltanet_dims, config.hidden_size
+
+    def tensors(self):
+        """Its weights by their names on disk (the parameter table's rows)."""
+        d, D = self.dims, self.hidden
+        fused = {"in_proj_qkvz.weight": (2 * d.key_dim + 2 * d.value_dim, D),
+                 "in_proj_ba.weight": (2 * d.n_v_heads, D)}
+        apart = {"in_proj_qkv.weight": (d.conv_dim, D), "in_proj_z.weight": (d.value_dim, D),
+                 "in_proj_b.weight": (d.n_v_heads, D), "in_proj_a.weight": (d.n_v_heads, D)}
+        return {f"linear_attn.{name}": (f"linear_attn.{name}", shape) for name, shape in {
+            "A_log": (d.n_v_heads,), "dt_bias": (d.n_v_heads,),
+            "conv1d.weight": (d.conv_dim, 1, d.conv_kernel),
+            **(fused if self.layout == "qwen3_next" else apart),
+            "norm.weight": (d.v_head_dim,), "out_proj.weight": (D, d.value_dim)}.items()}
+
+    def load(self, get, prefix):
+        return {"linear": hf_deltanet_weights(get, prefix, self.dims, self.layout)}
+
+    def save(self, w, prefix):
+        return hf_deltanet_state_dict(w.linear, prefix, self.dims, self.layout)
 
     def new_state(self, max_len: int, batch: int = 1, device="cpu",
                   dtype=torch.float32) -> DeltaNetState:
@@ -348,6 +370,11 @@ class GatedAttention(Attention):
     def __init__(self, config, layer: int = 0):
         super().__init__(config, layer)
         self.rotary_dim = config.rotary_dim  # None: the whole head turns
+
+    def tensors(self):
+        """Llama's, W_q twice as tall: each head's query, then its gate."""
+        H, hd, D = self.n_heads, self.head_dim, self.hidden
+        return {**super().tensors(), "q_proj": ("self_attn.q_proj.weight", (2 * H * hd, D))}
 
     def __call__(self, x, w, pos, cache=None, trace=NO_TRACE, name="attn"):
         q, gate, k, v = self.gated_qkv(x, w, trace, name)  # [B, T, H*hd], [B, T, H, hd]

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ..block import Block
 from ..embed import embed
 from ..mlp import MLP
+from ..parts import Norm
 from ..trace import NO_TRACE
 from .attention_steps import HeadNormed
 
@@ -59,9 +60,18 @@ class SandwichBlock(Block):
     h = x + post_norm(attention(norm(x))); `pre` False (OLMo 2): only that norm,
     h = x + post_norm(attention(x))."""
 
-    def __init__(self, attn, mlp, eps: float, norm, pre: bool = True):
-        super().__init__(attn, mlp, eps, norm)
+    def __init__(self, attn, mlp, config, norm, pre: bool = True):
+        super().__init__(attn, mlp, config, norm)
         self.pre = pre
+
+    def parts(self):
+        """Its parts in model order: HF calls the norm after attention post_attention_layernorm,
+        and the one before the MLP pre_feedforward_layernorm."""
+        D, pre = self.hidden, self.pre
+        return (*[Norm("attn_norm", "input_layernorm.weight", D)][:pre], self.attn,
+                Norm("post_attn_norm", "post_attention_layernorm.weight", D),
+                *[Norm("mlp_norm", "pre_feedforward_layernorm.weight", D)][:pre], self.mlp,
+                Norm("post_mlp_norm", "post_feedforward_layernorm.weight", D))
 
     def __call__(self, x, w, pos, cache=None, trace=NO_TRACE, name="layers.0"):
         x = self.attention_half(x, w, pos, cache, trace, name)  # [B, T, D]

@@ -267,6 +267,19 @@ class Gemma4Attention(Attention):
         self.head_dim, self.n_kv_heads = self.shape.head_dim, self.shape.n_kv_heads
         self.eps, self.freq = config.norm_eps, f"freq ({self.shape.kind})"
 
+    def tensors(self):
+        """Its layer's head width; K and V's weights only where it computes them (V's not
+        with k_eq_v), as its norms' (V's has none)."""
+        H, KV, hd, D, s = self.n_heads, self.n_kv_heads, self.head_dim, self.hidden, self.shape
+        own = s.kv_source == self.layer
+        out = {"q_proj": ("self_attn.q_proj.weight", (H * hd, D))}
+        out.update({"k_proj": ("self_attn.k_proj.weight", (KV * hd, D))} if own else {})
+        if own and not s.k_eq_v:
+            out["v_proj"] = ("self_attn.v_proj.weight", (KV * hd, D))
+        out["q_norm"] = ("self_attn.q_norm.weight", (hd,))
+        out.update({"k_norm": ("self_attn.k_norm.weight", (hd,))} if own else {})
+        return {**out, "o_proj": ("self_attn.o_proj.weight", (D, H * hd))}
+
     def new_state(self, max_len: int, batch: int = 1, device="cpu", dtype=torch.float32):
         """A layer that reads another's K, V keeps none."""
         if self.shape.kv_source != self.layer:
@@ -309,9 +322,23 @@ class Gemma4Block(Block):
     (`ple_size`), gated in by the stream, then the whole times the layer's scalar. `block`,
     the layer before that (a `gemma.SandwichBlock`)."""
 
-    def __init__(self, block: Block, layer: int, ple: bool, scalar: bool):
+    def __init__(self, block: Block, layer: int, ple: int, scalar: bool):
+        """ple: the per-layer input's width (0: none); scalar: the layer's scalar."""
         self.block, self.attn, self.mlp = block, block.attn, block.mlp
         self.layer, self.ple, self.scalar, self.eps = layer, ple, scalar, block.eps
+        self.hidden = block.hidden
+
+    def parts(self):
+        return (self.block,)
+
+    def tensors(self):
+        """What it reads after the block's: the per-layer input's gate, projection and norm,
+        and the layer's scalar."""
+        D, P = self.hidden, self.ple
+        ple = {"ple_gate": ("per_layer_input_gate.weight", (P, D)),
+               "ple_proj": ("per_layer_projection.weight", (D, P)),
+               "ple_norm": ("post_per_layer_input_norm.weight", (D,))} if P else {}
+        return {**ple, **({"layer_scalar": ("layer_scalar", (1,))} if self.scalar else {})}
 
     def __call__(self, x, w, pos, cache=None, trace=NO_TRACE, name="layers.0"):
         x = self.block(x, w, pos, cache, trace, name)  # [B, T, D]

