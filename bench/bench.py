@@ -349,7 +349,7 @@ def run(model=None, quick: bool = False, threads: int | None = None) -> dict:
     # malloc's defaults in this process, as a reader gets them; the opt-in in its own process
     r["keep_freed_memory"] = False
     r["forward"] = bench_forward(model, hfs["eager"], forward_repeats)
-    if model.name == "smollm2-135m":
+    if model.name == "smollm2-135m-instruct":
         r["forward_keep_freed"] = forward_keep_freed({256: forward_repeats[256]}, threads)
     r["decode"] = bench_decode(model, hfs, new_tokens, repeat)
     r["prefill"] = bench_prefill(model, hfs, 256, repeat)
@@ -366,7 +366,7 @@ def run(model=None, quick: bool = False, threads: int | None = None) -> dict:
     r["decode_bound"] = b
     r["kv_cache"] = bench_cache(model, kv_tokens)
     r["meta"] = bench_meta()
-    spec = "embedded" if model.name == "smollm2-135m" else model.source
+    spec = "embedded" if model.name == "smollm2-135m-instruct" else model.source
     r["memory"] = memory_of_traced_run(spec, keep_freed=False)
     r["memory_keep_freed"] = memory_of_traced_run(spec, keep_freed=True)
     r["chapter_14_s"] = chapter_seconds()

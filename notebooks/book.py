@@ -26,7 +26,7 @@ from llmtrace.model import Model
 from llmtrace.load import resolve
 
 PROMPT = "The capital of France is"
-EMBEDDED = "smollm2-135m"  # the embedded model's config name
+EMBEDDED = "smollm2-135m-instruct"  # the embedded model's config name
 TINYLLAMA = "tinyllama-1.1b"
 FULL_NAMES = {EMBEDDED: "SmolLM2-135M-Instruct", TINYLLAMA: "TinyLlama-1.1B"}
 
@@ -57,7 +57,8 @@ def describe_config(c) -> str:
 def model_label(model: Model, short: bool = False) -> str:
     """The name a reader knows the running model by, and what its values are: the embedded
     model is the Q4_1 GGUF (Q8_0 embedding, F32 norms) dequantized to fp32. The banner gives
-    that in full; `short=True` gives the name alone ("SmolLM2-135M"), which fits in a sentence."""
+    that in full; `short=True` gives the name alone ("SmolLM2-135M-Instruct"), which fits in a
+    sentence."""
     name = model.config.name
     if short:
         return model.label

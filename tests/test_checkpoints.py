@@ -110,7 +110,7 @@ def test_hf_config_round_trip():
 def test_presets_by_name():
     c = Config.from_name("embedded")
     shape = (c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim)
-    assert c.name == "smollm2-135m" and shape == (30, 576, 9, 3, 64)
+    assert c.name == "smollm2-135m-instruct" and shape == (30, 576, 9, 3, 64)
     assert c.tied_lm_head and c.rope_theta == 100000.0
     assert Config.from_name("70b").n_kv_heads == 8
 

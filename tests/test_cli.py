@@ -32,7 +32,7 @@ def test_cli_json(capsys):
                             PROMPT)
     assert code == 0, err
     out = json.loads(stdout)
-    assert out["model"] == "smollm2-135m" and out["config"]["n_layers"] == 30
+    assert out["model"] == "smollm2-135m-instruct" and out["config"]["n_layers"] == 30
     assert out["input_ids"] == [504, 3575, 282, 4649, 314]
     assert out["input_pieces"][1] == " capital"
     assert out["generated_ids"][0] == 7042 and out["generated_text"].startswith(" Paris")
@@ -49,7 +49,7 @@ def test_cli_json(capsys):
     (["--temperature", "-1", "hi"], "error: temperature must be >= 0"),
     (["--top-p", "1.5", "hi"], "error: top_p must be in (0, 1]"),
     (["--top-k", "0", "hi"], "error: top_k must be at least 1"),
-    (["--model", "embedded", "--max-new-tokens", "9000", "hi"], "exceed smollm2-135m's context of 8192"),
+    (["--model", "embedded", "--max-new-tokens", "9000", "hi"], "exceed smollm2-135m-instruct's context of 8192"),
 ])
 def test_cli_errors_are_one_line(capsys, args, message):
     code, _, err = run(capsys, *args)

@@ -138,5 +138,5 @@ def test_bad_sampling_arguments(embedded, kwargs, message):
 def test_bad_prompts(embedded):
     with pytest.raises(LlmTraceError, match="the prompt is empty"):
         generate(embedded, "", 2)
-    with pytest.raises(LlmTraceError, match="exceed smollm2-135m's context of 8192"):
+    with pytest.raises(LlmTraceError, match="exceed smollm2-135m-instruct's context of 8192"):
         generate(embedded, torch.zeros(1, 8190, dtype=torch.long), max_new_tokens=5)

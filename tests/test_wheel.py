@@ -131,7 +131,7 @@ def test_the_console_script_answers_paris(venv, tmp_path):
     assert generated.startswith(f"{PROMPT} Paris")  # the greedy continuation
     js = json.loads(llmtrace_cli(venv, "--json", "--max-new-tokens", "1", PROMPT,
                                  cwd=tmp_path).stdout)
-    assert js["model"] == "smollm2-135m" and js["new_pieces"] == [" Paris"]
+    assert js["model"] == "smollm2-135m-instruct" and js["new_pieces"] == [" Paris"]
     assert llmtrace_cli(venv, "--version", cwd=tmp_path).stdout == f"llmtrace {VERSION}\n"
 
 

@@ -139,7 +139,7 @@ def shapes_tokenizer(model: str | None, config):
         tok = load_tokenizer(Path(model.strip()).expanduser(), config)
         if tok is not None:
             return tok, ""
-    elif config.name == "smollm2-135m":
+    elif config.name == "smollm2-135m-instruct":
         from .load import load_model
 
         return load_model("embedded").tokenizer, ""

@@ -49,7 +49,7 @@ def _convert_embedded(gguf: Path, target: Path) -> None:
     from .weights.gguf import load_gguf
     from .weights.hf import save_hf
 
-    shapes = expected_shapes(Config.from_name("smollm2-135m")).values()
+    shapes = expected_shapes(Config.from_name("smollm2-135m-instruct")).values()
     fp32_bytes = 4 * sum(math.prod(s) for s in shapes)
     check_writable(target.parent, fp32_bytes + 2**24)  # before the slow parse, not after it
     config, sd, tok = load_gguf(gguf)
@@ -71,7 +71,7 @@ def _load_embedded() -> Model:
             from .weights.gguf import EMBEDDED_FILE, EMBEDDED_REQUIREMENT
             from .weights.hf import load_hf
 
-            config, sd, tok = load_hf(embedded_checkpoint(), name="smollm2-135m")
+            config, sd, tok = load_hf(embedded_checkpoint(), name="smollm2-135m-instruct")
             source = f"embedded: {EMBEDDED_FILE} from {EMBEDDED_REQUIREMENT}, dequantized to fp32"
             _embedded = Model(config, weights_from_state_dict(config, sd, EMBEDDED_FILE), tok,
                               source=source)

@@ -57,7 +57,7 @@ def state_dict_from_weights(c: Config, w: Weights) -> dict[str, torch.Tensor]:
 
 
 # the book's two models by the names a reader knows them by (config name -> label)
-LABELS = {"smollm2-135m": "SmolLM2-135M", "tinyllama-1.1b": "TinyLlama-1.1B"}
+LABELS = {"smollm2-135m-instruct": "SmolLM2-135M-Instruct", "tinyllama-1.1b": "TinyLlama-1.1B"}
 
 
 class Model:
@@ -157,8 +157,8 @@ class Model:
 
     @property
     def label(self) -> str:
-        """The name a reader knows the model by, for printouts: "SmolLM2-135M" for the embedded
-        model, "TinyLlama-1.1B", else the config's name (a checkpoint's directory)."""
+        """The name a reader knows the model by, for printouts: "SmolLM2-135M-Instruct" for the
+        embedded model, "TinyLlama-1.1B", else the config's name (a checkpoint's directory)."""
         return LABELS.get(self.config.name, self.config.name)
 
     @property

