@@ -39,7 +39,7 @@ class MLP(Part):
         return trace.record(f"{name}.down", "gated @ W_down^T", down, B * T * Fsz * D)
 
     def act(self, gate: torch.Tensor, trace=NO_TRACE, name: str = "mlp") -> torch.Tensor:
-        # recomputed from gate when its record is read: the trace keeps one of the two
+        # the trace need not hold both: it computes this again from `gate` when it is read
         return trace.record(f"{name}.act", "silu(gate) = gate * sigmoid(gate)",
                             F.silu(gate), recompute=(F.silu, f"{name}.gate"))  # [B, T, F]
 
