@@ -152,14 +152,11 @@ class DeepseekMoE(MoE):
         self.shared = config.n_shared_experts * config.moe_ffn_size  # 0: none
 
     def tensors(self):
-        D, Fs, p = self.hidden, self.shared, "mlp.shared_experts"
         out = super().tensors()
         if isinstance(self.router, SigmoidGroup):  # V3: e_score_correction_bias
             out["moe.score_bias"] = ("mlp.gate.e_score_correction_bias", (self.n_experts,))
-        if Fs:
-            out.update({"moe.shared.gate": (f"{p}.gate_proj.weight", (Fs, D)),
-                        "moe.shared.up": (f"{p}.up_proj.weight", (Fs, D)),
-                        "moe.shared.down": (f"{p}.down_proj.weight", (D, Fs))})
+        if self.shared:
+            out.update(self.shared_expert("mlp.shared_experts", self.shared))
         return out
 
 

@@ -152,10 +152,7 @@ class Llama4MoE(InputScaledMoE):
                "moe.gate": (f"{p}.experts.gate_up_proj[..., :F]", (E, Fm, D)),
                "moe.up": (f"{p}.experts.gate_up_proj[..., F:]", (E, Fm, D)),
                "moe.down": (f"{p}.experts.down_proj", (E, D, Fm))}
-        shared = {"moe.shared.gate": (f"{p}.shared_expert.gate_proj.weight", (Fs, D)),
-                  "moe.shared.up": (f"{p}.shared_expert.up_proj.weight", (Fs, D)),
-                  "moe.shared.down": (f"{p}.shared_expert.down_proj.weight", (D, Fs))}
-        return {**out, **(shared if Fs else {})}
+        return {**out, **(self.shared_expert(f"{p}.shared_expert", Fs) if Fs else {})}
 
     def on_disk(self):
         E, D, Fm = self.n_experts, self.hidden, self.width

@@ -138,12 +138,10 @@ class SharedGatedMoE(MoE):
         self.shared = config.shared_ffn_size
 
     def tensors(self):
-        D, Fs, p = self.hidden, self.shared, "mlp.shared_expert"
-        shared = {"moe.shared.gate": (f"{p}.gate_proj.weight", (Fs, D)),
-                  "moe.shared.up": (f"{p}.up_proj.weight", (Fs, D)),
-                  "moe.shared.down": (f"{p}.down_proj.weight", (D, Fs)),
-                  "moe.shared_gate": ("mlp.shared_expert_gate.weight", (1, D))}
-        return {**super().tensors(), **(shared if Fs else {})}
+        if not self.shared:
+            return super().tensors()
+        return {**super().tensors(), **self.shared_expert("mlp.shared_expert", self.shared),
+                "moe.shared_gate": ("mlp.shared_expert_gate.weight", (1, self.hidden))}
 
 
 class Qwen3Next(Model, family="qwen3_next"):

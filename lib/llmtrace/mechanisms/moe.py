@@ -347,6 +347,12 @@ class MoE(Part):
                 "moe.up": (f"{b}.experts.{{e}}.{up}.weight", (E, Fm, D)),
                 "moe.down": (f"{b}.experts.{{e}}.{down}.weight", (E, D, Fm))}
 
+    def shared_expert(self, where: str, width: int) -> dict:
+        """A shared expert's weights, one dense MLP `width` wide, under `where` on disk."""
+        D = self.hidden
+        return {f"moe.shared.{kind}": (f"{where}.{kind}_proj.weight", shape) for kind, shape in
+                (("gate", (width, D)), ("up", (width, D)), ("down", (D, width)))}
+
     def on_disk(self):
         out = {}
         for name, shape in self.tensors().values():
