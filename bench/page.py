@@ -36,7 +36,7 @@ PYTHON = r"""
 import json, os, resource, statistics, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[1]))
-from llmtrace import generate, load_model
+from llmtrace_book import generate, load_model
 t = time.perf_counter()
 model = load_model("embedded")
 load = time.perf_counter() - t

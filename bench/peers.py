@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from llmtrace import Trace, load_model
-from llmtrace.disk_cache import cache_dir
-from llmtrace.load import embedded_checkpoint
-from llmtrace.memory import keep_freed_memory
+from llmtrace_book import Trace, load_model
+from llmtrace_book.disk_cache import cache_dir
+from llmtrace_book.load import embedded_checkpoint
+from llmtrace_book.memory import keep_freed_memory
 
-from llmtrace.disk_cache import atomic_path
+from llmtrace_book.disk_cache import atomic_path
 
 from .bench import cpu_model, interleaved, prompt_ids, provenance
 from .reference import hf_reference

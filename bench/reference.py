@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from llmtrace.load import embedded_checkpoint
+from llmtrace_book.load import embedded_checkpoint
 
 
 def hf_reference(model, attn: str = "eager") -> PreTrainedModel:

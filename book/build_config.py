@@ -1,6 +1,6 @@
 """The book's configuration as `make book` builds it: _config.yml, with what follows from it.
 
-- Every page's footer names the library's version, `__version__` in lib/llmtrace/__init__.py (read
+- Every page's footer names the library's version, `__version__` in lib/llmtrace_book/__init__.py (read
   as text: building the book does not import torch), and the licences.
 - `repository: url:` is the one setting that says where the book is published. Once it is set
   (`https://github.com/OWNER/REPO`, or a GitLab or Bitbucket address), the repository button and a
@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-VERSION_FILE = ROOT / "lib" / "llmtrace" / "__init__.py"
+VERSION_FILE = ROOT / "lib" / "llmtrace_book" / "__init__.py"
 BINDER = "https://mybinder.org"
 REPO_URL = re.compile(r"https://[^/\s]+/[^/\s]+/[^/\s]+/?")
 

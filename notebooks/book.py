@@ -19,11 +19,11 @@ import html
 import inspect
 from pathlib import Path
 
-import llmtrace
-from llmtrace import Trace, load_model, trace_shapes
-from llmtrace.families import SWITCHES as FAMILY_SWITCHES
-from llmtrace.model import Model
-from llmtrace.load import resolve
+import llmtrace_book
+from llmtrace_book import Trace, load_model, trace_shapes
+from llmtrace_book.families import SWITCHES as FAMILY_SWITCHES
+from llmtrace_book.model import Model
+from llmtrace_book.load import resolve
 
 PROMPT = "The capital of France is"
 EMBEDDED = "smollm2-135m-instruct"  # the embedded model's config name
@@ -36,7 +36,7 @@ def tinyllama_walk(prompt: str = PROMPT) -> tuple[Trace, Trace]:
     """TinyLlama-1.1B on the meta device: (prefill, first decode step), with its real token ids."""
     import torch
 
-    from llmtrace.weights.tokenizer_llama import llama_tokenizer
+    from llmtrace_book.weights.tokenizer_llama import llama_tokenizer
 
     ids = torch.tensor([llama_tokenizer().encode(prompt)])  # [1, 6]: BOS + 5
     prefill, decode = trace_shapes(TINYLLAMA, ids, decode_steps=1, label="TinyLlama-1.1B")
@@ -73,7 +73,7 @@ def readable_piece(tokenizer, i: int) -> str:
     SentencePiece writes its byte pieces, " <0xD0>" for the first byte of a Cyrillic letter."""
     import codecs
 
-    from llmtrace.tokenize import display_piece
+    from llmtrace_book.tokenize import display_piece
 
     text = display_piece(tokenizer, i)
     if "\ufffd" not in text or tokenizer.kind == "sentencepiece":
@@ -158,11 +158,11 @@ def show_source(*objects) -> None:
     """The library's own source of each function or class, read from its file when the cell
     runs, so the page shows the very code that produced the tensors beside it (and cannot drift
     from it), whole."""
-    root = Path(llmtrace.__file__).resolve().parent
+    root = Path(llmtrace_book.__file__).resolve().parent
     for obj in objects:
         obj = inspect.unwrap(obj)  # past decorators such as torch.inference_mode
         where = Path(inspect.getsourcefile(obj)).resolve().relative_to(root)
-        say(f"From `llmtrace/{where}`:\n\n```python\n{inspect.getsource(obj)}```")
+        say(f"From `llmtrace_book/{where}`:\n\n```python\n{inspect.getsource(obj)}```")
 
 
 def tinyllama_card_html(stage: str | list[str], tiny: Trace, decode: Trace | None = None,
@@ -174,7 +174,7 @@ def tinyllama_card_html(stage: str | list[str], tiny: Trace, decode: Trace | Non
     too. `running`, the model of the page, whose prompt may lack TinyLlama's BOS: the card says
     why the two counts of tokens differ. HTML, so it reads the same in the book and in
     JupyterLab; `<details>`, so it stays one line high until opened."""
-    from llmtrace import Config
+    from llmtrace_book import Config
 
     recs = _card_records(tiny, stage)
     rows = _card_rows(recs)
@@ -215,7 +215,7 @@ def _card_records(trace: Trace, stage: str | list[str]) -> list:
 
 
 def _card_rows(recs) -> str:
-    from llmtrace.trace import _fmt_shape
+    from llmtrace_book.trace import _fmt_shape
 
     return "".join(f"<tr><td><code>{html.escape(r.name)}</code></td>"
                    f"<td>{html.escape(r.op)}</td>"
@@ -302,7 +302,7 @@ def check_figure(fig) -> None:
     """Raise when a figure breaks the book's rule (`figure_problems`)."""
     problems = figure_problems(fig)
     if problems:
-        raise llmtrace.LlmTraceError("a figure does not fit the book: " + "; ".join(problems)
+        raise llmtrace_book.LlmTraceError("a figure does not fit the book: " + "; ".join(problems)
                                      + ": see BOOK_STYLE and COLUMN_INCHES in notebooks/book.py")
 
 
@@ -462,7 +462,7 @@ def readable(fig) -> None:
     """Refuse an interactive figure the book cannot show well (LlmTraceError, naming the axis):
     text under `PLOTLY_SMALLEST_PX`, or an axis that shows tick labels and has no title."""
     def problem(what):
-        return llmtrace.LlmTraceError(f"the interactive figure {fig.layout.title.text!r}: {what}")
+        return llmtrace_book.LlmTraceError(f"the interactive figure {fig.layout.title.text!r}: {what}")
 
     if (fig.layout.font.size or 12) < PLOTLY_SMALLEST_PX:  # plotly's default is 12 px
         raise problem(f"its font is under {PLOTLY_SMALLEST_PX} px")
@@ -542,16 +542,16 @@ def show_lines(fn, first: str, last: str | None = None) -> None:
     import textwrap
 
     obj = inspect.unwrap(fn)
-    root = Path(llmtrace.__file__).resolve().parent
+    root = Path(llmtrace_book.__file__).resolve().parent
     where = Path(inspect.getsourcefile(obj)).resolve().relative_to(root)
     lines, top = inspect.getsourcelines(obj)
     i = next((k for k, line in enumerate(lines) if first in line), None)
     if i is None:
-        raise llmtrace.LlmTraceError(f"{first!r} is not in {obj.__name__}'s source: "
+        raise llmtrace_book.LlmTraceError(f"{first!r} is not in {obj.__name__}'s source: "
                                      f"give a text one of its lines holds")
     j = next((k for k in range(i + 1, len(lines)) if last and last in lines[k]), len(lines))
     while j > i + 1 and not lines[j - 1].strip():  # no blank lines at the end
         j -= 1
     code = textwrap.dedent("".join(lines[i:j]))
-    say(f"From `llmtrace/{where}`, lines {top + i}-{top + j - 1} of `{obj.__name__}`:"
+    say(f"From `llmtrace_book/{where}`, lines {top + i}-{top + j - 1} of `{obj.__name__}`:"
         f"\n\n```python\n{code}```")

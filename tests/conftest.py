@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
 
 from helpers import PROMPT  # noqa: E402
 from jupyter_client.manager import start_new_kernel  # noqa: E402
-from llmtrace import load_model, meta_model  # noqa: E402
+from llmtrace_book import load_model, meta_model  # noqa: E402
 
 # One intra-op thread unless OMP_NUM_THREADS says otherwise. The tests run tensors of a few tokens,
 # where a second thread saves nothing and, on a busy machine, spins while it waits for the other:
@@ -96,7 +96,7 @@ def ckpt(tiny_dir, tmp_path):
 
 @pytest.fixture(scope="session")
 def llama_tok():
-    from llmtrace.weights.tokenizer_llama import llama_tokenizer
+    from llmtrace_book.weights.tokenizer_llama import llama_tokenizer
 
     return llama_tokenizer()
 

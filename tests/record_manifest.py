@@ -25,7 +25,7 @@ T = 11
 
 def records(model, ids) -> list[list]:
     """[name, op, shape, dtype, sha256 of the values] of a prefill, then of one decode step."""
-    from llmtrace import Trace
+    from llmtrace_book import Trace
 
     out = []
     cache = model.new_cache(ids.shape[1] + 1)
@@ -40,7 +40,7 @@ def records(model, ids) -> list[list]:
 
 
 def manifest(families=None) -> dict:
-    from llmtrace import load_model
+    from llmtrace_book import load_model
 
     torch.set_num_threads(1)
     result = {}

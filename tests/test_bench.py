@@ -13,7 +13,7 @@ from bench import bench
 CYCLES = """
 import resource, sys, torch
 if sys.argv[1] == "keep":
-    from llmtrace.memory import keep_freed_memory
+    from llmtrace_book.memory import keep_freed_memory
     assert keep_freed_memory()
 def cycle():  # hold 100 tensors of 2.25 MiB (the size of one layer's attention scores at 256 tokens), free them
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

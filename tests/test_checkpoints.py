@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from llmtrace import Config, LlmTraceError, load_model
-from llmtrace.model import meta_model, state_dict_from_weights
-from llmtrace.parts import layer_params
-from llmtrace.weights.names import expected_shapes
-from llmtrace.weights.gguf import embedded_gguf_path, load_gguf
-from llmtrace.weights.hf import save_hf
+from llmtrace_book import Config, LlmTraceError, load_model
+from llmtrace_book.model import meta_model, state_dict_from_weights
+from llmtrace_book.parts import layer_params
+from llmtrace_book.weights.names import expected_shapes
+from llmtrace_book.weights.gguf import embedded_gguf_path, load_gguf
+from llmtrace_book.weights.hf import save_hf
 from helpers import PROMPT
 
 

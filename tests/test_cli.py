@@ -1,4 +1,4 @@
-"""python -m llmtrace: the table and the text, --json, and one-line errors. In-process through
+"""python -m llmtrace_book: the table and the text, --json, and one-line errors. In-process through
 `main(argv)`, but for one true subprocess: the exit code and stdout as a shell sees them."""
 
 import json
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from llmtrace.__main__ import main
+from llmtrace_book.__main__ import main
 from helpers import PROMPT, process_env
 
 
@@ -19,7 +19,7 @@ def run(capsys, *args):
 
 def test_cli_process_greedy_paris():
     args = ["--model", "embedded", "--max-new-tokens", "4", PROMPT]
-    r = subprocess.run([sys.executable, "-m", "llmtrace", *args], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "llmtrace_book", *args], capture_output=True, text=True,
                        timeout=300, env=process_env())
     assert r.returncode == 0, r.stderr
     assert "layers.0.attn.scores" in r.stdout and "[1, 9, 5, 5]" in r.stdout
@@ -86,7 +86,7 @@ def test_cli_shapes_only_of_a_family_says_whose_tokenizer_stands_in(capsys):
 
 def test_cli_shapes_only_of_a_checkpoint_directory(capsys, tmp_path):
     """Its own config.json on the meta device: a directory that holds nothing else will do."""
-    from llmtrace import Config
+    from llmtrace_book import Config
 
     c = Config.from_name("qwen3-0.6b").replace(n_layers=3).to_hf()
     (tmp_path / "config.json").write_text(json.dumps(c))

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from helpers import PROMPT, nan_weight, process_env
-from llmtrace.__main__ import main, parse_args, run_live
+from llmtrace_book.__main__ import main, parse_args, run_live
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def cli_error(status, out, err) -> str:
     (["--temperature", "inf", PROMPT], "temperature must be a finite number"),
     (["--top-p", "nan", PROMPT], "top_p must be a finite number, got nan"),
     (["--max-new-tokens", "0", PROMPT], "--max-new-tokens must be at least 1"),
-    (["--seed", "x", PROMPT], "--seed: invalid int value: 'x': see python -m llmtrace --help"),
+    (["--seed", "x", PROMPT], "--seed: invalid int value: 'x': see python -m llmtrace_book --help"),
     (["--max-new-tokens", "2.5", PROMPT], "invalid int value: '2.5'"),
     ([], "the following arguments are required: prompt"),
     (["--model", "embedded", ""], "the prompt is empty: give at least one character"),
@@ -67,7 +67,7 @@ def test_cli_blank_environment_model(cli, monkeypatch):
 def test_cli_ctrl_c_is_one_line_and_130(cli, monkeypatch, tiny_dir):
     def interrupted(args):
         raise KeyboardInterrupt
-    monkeypatch.setattr("llmtrace.__main__.run_live", interrupted)
+    monkeypatch.setattr("llmtrace_book.__main__.run_live", interrupted)
     status, out, err = cli("--model", str(tiny_dir), PROMPT)
     assert status == 130 and out == "" and err == "error: interrupted\n"
 
@@ -103,7 +103,7 @@ def test_cli_dev_full_in_a_process(tiny_dir):
     """stdout on a full disk, a non-ASCII prompt under the C locale: one line, status 2, no
     warning at exit."""
     with open("/dev/full", "w") as full:
-        argv = [sys.executable, "-m", "llmtrace", "--model", str(tiny_dir), "--max-new-tokens", "1",
+        argv = [sys.executable, "-m", "llmtrace_book", "--model", str(tiny_dir), "--max-new-tokens", "1",
                 "Paris, café ☕"]
         r = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120,
                            env=process_env(LC_ALL="C"))
@@ -113,7 +113,7 @@ def test_cli_dev_full_in_a_process(tiny_dir):
 
 
 def test_cli_with_stdout_closed(tiny_dir):
-    argv = [sys.executable, "-m", "llmtrace", "--model", str(tiny_dir), "--max-new-tokens", "1",
+    argv = [sys.executable, "-m", "llmtrace_book", "--model", str(tiny_dir), "--max-new-tokens", "1",
             PROMPT]
     r = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                        timeout=120, preexec_fn=lambda: os.close(1), env=process_env())

@@ -1,8 +1,8 @@
-"""python -m llmtrace --lens: the logit-lens grid as text and in --json, run in-process."""
+"""python -m llmtrace_book --lens: the logit-lens grid as text and in --json, run in-process."""
 
 import json
 
-from llmtrace.__main__ import main
+from llmtrace_book.__main__ import main
 from helpers import PROMPT
 
 

@@ -11,11 +11,11 @@ import torch
 import transformers
 
 from helpers import one_line
-from llmtrace import Config, LlmTraceError, load_model
-from llmtrace import config as config_module
-from llmtrace import families
-from llmtrace.families import _read, gemma3, mistral, qwen2
-from llmtrace.weights import gguf as gguf_module
+from llmtrace_book import Config, LlmTraceError, load_model
+from llmtrace_book import config as config_module
+from llmtrace_book import families
+from llmtrace_book.families import _read, gemma3, mistral, qwen2
+from llmtrace_book.weights import gguf as gguf_module
 from tiny_checkpoint import make_tiny_checkpoint
 
 # The keys every file gives (they fix the weights' shapes); the rest is left out
@@ -203,7 +203,7 @@ def test_a_value_that_makes_no_model_is_refused_by_its_key(settings, says):
 
 def test_the_cli_refuses_query_pre_attn_scalar_zero(tmp_path, capsys):
     """Once a ZeroDivisionError traceback from the API, exit status 1 from the CLI."""
-    from llmtrace.__main__ import main
+    from llmtrace_book.__main__ import main
 
     (tmp_path / "config.json").write_text(json.dumps({**GEMMA, "query_pre_attn_scalar": 0}))
     assert main(["--shapes-only", "--model", str(tmp_path), "Hi"]) == 2

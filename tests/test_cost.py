@@ -1,9 +1,9 @@
 """Parameters from the config and multiply-adds from the trace."""
 
-from llmtrace import Config
-from llmtrace.cost import (macs_by_op, macs_per_layer, parameter_count, parameter_shares, parameter_table,
+from llmtrace_book import Config
+from llmtrace_book.cost import (macs_by_op, macs_per_layer, parameter_count, parameter_shares, parameter_table,
                            weight_macs_per_token_per_layer)
-from llmtrace.model import trace_shapes
+from llmtrace_book.model import trace_shapes
 
 
 def test_tinyllama_parameters():
@@ -28,7 +28,7 @@ def test_embedded_parameters(embedded):
 
 
 def _named(model):
-    from llmtrace.model import state_dict_from_weights
+    from llmtrace_book.model import state_dict_from_weights
 
     return state_dict_from_weights(model.config, model.weights).items()
 

@@ -12,10 +12,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from llmtrace import Config, LlmTraceError, load_model, meta_model
-from llmtrace.cost import cache_bytes, parameter_count
-from llmtrace.mechanisms.mla import LatentCache, cache_bytes_per_token
-from llmtrace.model import Model
+from llmtrace_book import Config, LlmTraceError, load_model, meta_model
+from llmtrace_book.cost import cache_bytes, parameter_count
+from llmtrace_book.mechanisms.mla import LatentCache, cache_bytes_per_token
+from llmtrace_book.model import Model
 from tiny_checkpoint import ROWS, make_tiny_checkpoint
 
 TOL = 1e-4

@@ -24,20 +24,20 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (Qwen3NextAttenti
                                                                 Qwen3NextRotaryEmbedding,
                                                                 Qwen3NextSparseMoeBlock)
 
-from llmtrace.attention import Attention, causal_mask
-from llmtrace.config import Config
-from llmtrace.errors import LlmTraceError
-from llmtrace.kv_cache import KVCache, bytes_per_token
-from llmtrace.mechanisms import deltanet
-from llmtrace.mechanisms.deltanet import (DeltaNetDims, DeltaNetState, DeltaNetWeights,
+from llmtrace_book.attention import Attention, causal_mask
+from llmtrace_book.config import Config
+from llmtrace_book.errors import LlmTraceError
+from llmtrace_book.kv_cache import KVCache, bytes_per_token
+from llmtrace_book.mechanisms import deltanet
+from llmtrace_book.mechanisms.deltanet import (DeltaNetDims, DeltaNetState, DeltaNetWeights,
                                           GatedAttention, chunked_delta_rule, delta_rule_step,
                                           gated_deltanet, hf_deltanet_weights, partial_rope,
                                           recurrent_delta_rule, state_bytes)
-from llmtrace.mechanisms.moe import MoeWeights, moe_mlp
-from llmtrace.mlp import swiglu
-from llmtrace.model import Model
-from llmtrace.rope import apply_rope, rope_cos_sin
-from llmtrace.trace import Patched, Trace
+from llmtrace_book.mechanisms.moe import MoeWeights, moe_mlp
+from llmtrace_book.mlp import swiglu
+from llmtrace_book.model import Model
+from llmtrace_book.rope import apply_rope, rope_cos_sin
+from llmtrace_book.trace import Patched, Trace
 
 TOL = 1e-5
 B, D, PROMPT, STEPS, CHUNK = 2, 64, 9, 3, 4
@@ -413,7 +413,7 @@ def test_partial_rope_is_hfs_apply_rotary_pos_emb():
 
 @pytest.fixture(scope="module")
 def embedded():
-    from llmtrace import load_model
+    from llmtrace_book import load_model
     return load_model("embedded")
 
 

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-from llmtrace import Config
-from llmtrace.diagram import block_flow, machine_dot, render_svg
-from llmtrace.model import trace_shapes
+from llmtrace_book import Config
+from llmtrace_book.diagram import block_flow, machine_dot, render_svg
+from llmtrace_book.model import trace_shapes
 from tiny_checkpoint import ROWS, hf_config
 
 
@@ -84,7 +84,7 @@ def _lit_nodes(dot):
 
 @pytest.mark.parametrize("f", list(ROWS))
 def test_every_record_of_a_block_is_in_one_step_of_the_compact_map(f):
-    from llmtrace.diagram import _steps
+    from llmtrace_book.diagram import _steps
 
     trace = family_trace(f)
     attn, mlp = _steps(trace)
@@ -94,7 +94,7 @@ def test_every_record_of_a_block_is_in_one_step_of_the_compact_map(f):
 
 
 def test_compact_map_lights_the_steps_that_hold_the_stage(tiny_trace):
-    from llmtrace.diagram import compact_dot
+    from llmtrace_book.diagram import compact_dot
 
     assert _lit_nodes(compact_dot(tiny_trace, "attn.rope_*")) == {"b.rope", "p.blocks"}
     assert _lit_nodes(compact_dot(tiny_trace, ["attn_norm", "mlp_norm", "final_norm"])) == \
@@ -106,7 +106,7 @@ def test_compact_map_lights_the_steps_that_hold_the_stage(tiny_trace):
 
 
 def test_compact_map_outside_the_block_shows_the_pass_only_with_its_shapes(tiny_trace):
-    from llmtrace.diagram import compact_dot
+    from llmtrace_book.diagram import compact_dot
 
     dot = compact_dot(tiny_trace, ["final_norm", "lm_head"])
     assert "cluster_block" not in dot
@@ -117,7 +117,7 @@ def test_compact_map_outside_the_block_shows_the_pass_only_with_its_shapes(tiny_
 def test_the_map_is_compact_by_default_once_a_stage_is_lit(tiny_trace):
     """Chapter 1 shows the whole machine (no stage); a stage chapter's map is a few lines high."""
     assert shutil.which("dot"), "Graphviz is not installed: run `make graphviz`"
-    from llmtrace.diagram import machine_map
+    from llmtrace_book.diagram import machine_map
 
     def height_pt(svg):
         return float(re.search(r"<svg[^>]* height=\"([\d.]+)pt\"", svg).group(1))

@@ -4,8 +4,8 @@ import pytest
 
 from helpers import one_line
 
-from llmtrace import Config, LlmTraceError, trace_shapes
-from llmtrace.diff import layer_ops, same_op, trace_diff
+from llmtrace_book import Config, LlmTraceError, trace_shapes
+from llmtrace_book.diff import layer_ops, same_op, trace_diff
 
 
 def walk(name, **changes):
@@ -96,7 +96,7 @@ def test_what_is_not_a_trace_is_one_line(llama2, other, says):
 
 
 def test_a_generation_and_a_bad_layer_or_width_are_one_line(llama2, embedded):
-    from llmtrace import generate
+    from llmtrace_book import generate
 
     g = generate(embedded, "Hi", max_new_tokens=1)
     with pytest.raises(LlmTraceError, match=r"got a Generation: generate keeps one trace per "

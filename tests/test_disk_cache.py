@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-import llmtrace.load as loader
+import llmtrace_book.load as loader
 from helpers import PROMPT, one_line
-from llmtrace import Config, LlmTraceError
-from llmtrace.disk_cache import MANIFEST, cache_dir, usable
+from llmtrace_book import Config, LlmTraceError
+from llmtrace_book.disk_cache import MANIFEST, cache_dir, usable
 
 
 # --- the cache ------------------------------------------------------------------------------
@@ -24,7 +24,7 @@ from llmtrace.disk_cache import MANIFEST, cache_dir, usable
 def cache(tmp_path, monkeypatch, embedded):
     """An empty cache, and a conversion that takes no ten seconds: a 1-layer model with the
     embedded vocabulary stands in for the GGUF. `calls` counts conversions."""
-    from llmtrace.weights.names import expected_shapes
+    from llmtrace_book.weights.names import expected_shapes
 
     monkeypatch.setenv("LLMTRACE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(loader, "_embedded", None)
@@ -36,7 +36,7 @@ def cache(tmp_path, monkeypatch, embedded):
         calls.append(time.perf_counter())
         time.sleep(0.2)  # long enough for two threads to meet
         return config, sd, embedded.tokenizer
-    monkeypatch.setattr("llmtrace.weights.gguf.load_gguf", fake_load_gguf)
+    monkeypatch.setattr("llmtrace_book.weights.gguf.load_gguf", fake_load_gguf)
     return calls
 
 
@@ -113,7 +113,7 @@ def test_cache_that_is_a_file(cache, tmp_path, monkeypatch):
 def test_read_only_cache_fails_before_the_parse(cache, monkeypatch):
     def refuse(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
-    monkeypatch.setattr("llmtrace.disk_cache.tempfile.mkstemp", refuse)
+    monkeypatch.setattr("llmtrace_book.disk_cache.tempfile.mkstemp", refuse)
     with pytest.raises(LlmTraceError) as err:
         loader.embedded_checkpoint()
     assert "cannot write in the cache" in one_line(err) and "Permission denied" in str(err.value)
@@ -123,7 +123,7 @@ def test_read_only_cache_fails_before_the_parse(cache, monkeypatch):
 def test_full_cache_fails_before_the_parse(cache, monkeypatch):
     def one_mib_free(d):
         return shutil._ntuple_diskusage(2**40, 2**40 - 2**20, 2**20)
-    monkeypatch.setattr("llmtrace.disk_cache.shutil.disk_usage", one_mib_free)
+    monkeypatch.setattr("llmtrace_book.disk_cache.shutil.disk_usage", one_mib_free)
     with pytest.raises(LlmTraceError) as err:
         loader.embedded_checkpoint()
     assert "has 1 MiB free, 529 MiB are needed: free some space" in one_line(err)
@@ -133,7 +133,7 @@ def test_full_cache_fails_before_the_parse(cache, monkeypatch):
 def test_disk_full_while_writing_leaves_nothing(cache, monkeypatch):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr("llmtrace.weights.hf.save_hf", full)
+    monkeypatch.setattr("llmtrace_book.weights.hf.save_hf", full)
     with pytest.raises(LlmTraceError) as err:
         loader.embedded_checkpoint()
     assert "is full: free some space, or set LLMTRACE_CACHE to another disk" in one_line(err)
@@ -141,7 +141,7 @@ def test_disk_full_while_writing_leaves_nothing(cache, monkeypatch):
 
 
 def test_truncated_tokenizer_model_is_rebuilt(tmp_path, monkeypatch):
-    from llmtrace.weights.tokenizer_llama import LLAMA2_BYTES, build, vocab_dir
+    from llmtrace_book.weights.tokenizer_llama import LLAMA2_BYTES, build, vocab_dir
 
     source, built = vocab_dir(), build(fetch=False)
     monkeypatch.setenv("LLMTRACE_CACHE", str(tmp_path))
@@ -154,7 +154,7 @@ def test_truncated_tokenizer_model_is_rebuilt(tmp_path, monkeypatch):
 
 
 def test_damaged_vocabulary_is_removed_and_named(tmp_path, monkeypatch):
-    from llmtrace.weights.tokenizer_llama import VOCAB, build, vocab_dir
+    from llmtrace_book.weights.tokenizer_llama import VOCAB, build, vocab_dir
 
     monkeypatch.setenv("LLMTRACE_CACHE", str(tmp_path))
     vocab_dir().mkdir()
@@ -166,10 +166,10 @@ def test_damaged_vocabulary_is_removed_and_named(tmp_path, monkeypatch):
 
 
 def test_messages_name_a_command_that_exists_here(tmp_path, monkeypatch):
-    from llmtrace.weights.tokenizer_llama import build
+    from llmtrace_book.weights.tokenizer_llama import build
 
     monkeypatch.setenv("LLMTRACE_CACHE", str(tmp_path))
     monkeypatch.chdir(tmp_path)  # outside the checkout: there is no `make setup` here
     with pytest.raises(LlmTraceError) as err:
         build(fetch=False)
-    assert "-m llmtrace.weights.tokenizer_llama`" in one_line(err) and "make" not in str(err.value)
+    assert "-m llmtrace_book.weights.tokenizer_llama`" in one_line(err) and "make" not in str(err.value)

@@ -8,9 +8,9 @@ import pytest
 import transformers
 
 from helpers import edit_config, one_line
-from llmtrace import Config, LlmTraceError, generate, load_model
-from llmtrace.model import state_dict_from_weights
-from llmtrace.weights.hf import save_hf
+from llmtrace_book import Config, LlmTraceError, generate, load_model
+from llmtrace_book.model import state_dict_from_weights
+from llmtrace_book.weights.hf import save_hf
 
 
 def id_two_wins(logits):

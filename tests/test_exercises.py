@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import exercises
 from exercises import CHAPTERS, NAMES, SIZES, check, solution
 from helpers import verdict
-from llmtrace import Config, load_model, meta_model
+from llmtrace_book import Config, load_model, meta_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,10 +45,10 @@ def test_no_exercise_shadows_a_library_function():
     import inspect
     import pkgutil
 
-    import llmtrace
+    import llmtrace_book
 
     functions = {}
-    for info in pkgutil.walk_packages(llmtrace.__path__, "llmtrace."):
+    for info in pkgutil.walk_packages(llmtrace_book.__path__, "llmtrace_book."):
         if info.name.endswith("__main__"):
             continue
         module = importlib.import_module(info.name)
@@ -58,7 +58,7 @@ def test_no_exercise_shadows_a_library_function():
     for name in NAMES:
         if name in functions:
             assert inspect.signature(solution(name)) == functions[name], name
-    assert not (ROOT / "lib" / "llmtrace" / "exercises.py").exists()
+    assert not (ROOT / "lib" / "llmtrace_book" / "exercises.py").exists()
 
 
 @pytest.mark.parametrize("name", NAMES)

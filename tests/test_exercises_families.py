@@ -9,7 +9,7 @@ import torch
 
 from exercises import NAMES, solution
 from helpers import verdict
-from llmtrace import load_model
+from llmtrace_book import load_model
 
 from tiny_checkpoint import ROWS, make_tiny_checkpoint
 

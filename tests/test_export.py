@@ -1,4 +1,4 @@
-"""The page's ONNX export (llmtrace.export): the graph is the trace, and its files are checked.
+"""The page's ONNX export (llmtrace_book.export): the graph is the trace, and its files are checked.
 
 The export of the embedded model is made once (about a minute: the fp32 graph, then the one that
 holds the GGUF's own blocks) and kept in the cache; these tests reuse it when it is there, as
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from helpers import PROMPT, one_line, process_env
-from llmtrace import export, meta_model
-from llmtrace.errors import LlmTraceError
-from llmtrace.model import Model, state_dict_from_weights, weights_from_state_dict
+from llmtrace_book import export, meta_model
+from llmtrace_book.errors import LlmTraceError
+from llmtrace_book.model import Model, state_dict_from_weights, weights_from_state_dict
 
 # three lengths: 1, 6 and 46 tokens; the long one with accents, CJK, an emoji, a run of spaces
 # and newlines
@@ -99,7 +99,7 @@ def lens_sessions(web_dir):
 def test_lens_graph_is_the_lens(embedded, web_dir, lens_sessions, form, prompt):
     """The lens graph gives `lens_grid`'s top token after every layer at every position, and its
     probability within 1e-5 (measured: at most 5.7e-6), from the trace's residual streams."""
-    from llmtrace.lens import lens_grid
+    from llmtrace_book.lens import lens_grid
 
     web = export.verify(web_dir, form)
     _, trace = embedded.run(prompt)
@@ -141,7 +141,7 @@ def test_decode_graph_is_generate(embedded, web_dir, sessions, decode_sessions, 
     kv_cache records are the first past, each step's kv_cache the next one's): the tokens are
     `generate`'s greedy ones, each step's logits within 1e-4 of generate's (measured: at most
     4.4e-5), and the cache the step returns is the library's cache after that step."""
-    from llmtrace import generate
+    from llmtrace_book import generate
 
     web = export.verify(web_dir, form)
     step = web["decode"]
@@ -286,11 +286,11 @@ def test_the_normal_pass_is_unchanged(embedded, web_dir):
 
 
 def test_command_reuses_the_cache_and_places_the_files(web_dir, web, tmp_path):
-    """`python -m llmtrace.export --out DIR`: no second export, the page's files in DIR (links to
+    """`python -m llmtrace_book.export --out DIR`: no second export, the page's files in DIR (links to
     the cache's), and a DIR that holds something else refused in one line."""
     manifest = (web_dir / "manifest.json").stat().st_mtime_ns
     out = tmp_path / "site" / "_static" / "web"
-    run = subprocess.run([sys.executable, "-m", "llmtrace.export", "--out", str(out)],
+    run = subprocess.run([sys.executable, "-m", "llmtrace_book.export", "--out", str(out)],
                          capture_output=True, text=True, env=process_env(), timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(f"{web_dir}: SmolLM2-135M-Instruct (Q4_1 blocks")
@@ -306,7 +306,7 @@ def test_command_reuses_the_cache_and_places_the_files(web_dir, web, tmp_path):
     assert (out / "web.json").read_text() == (web_dir / "web.json").read_text()
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    run = subprocess.run([sys.executable, "-m", "llmtrace.export", "--out",
+    run = subprocess.run([sys.executable, "-m", "llmtrace_book.export", "--out",
                           str(tmp_path / "mine")], capture_output=True, text=True,
                          env=process_env(), timeout=120)
     assert run.returncode == 2 and run.stderr.startswith("error: ")
@@ -379,8 +379,8 @@ def test_each_node_names_its_source_from_the_package(web_dir):
     assert not any('File "/' in t for t in traces)
     softmax = next(n for n in graph.node if n.op_type == "Softmax")
     where = next(p.value for p in softmax.metadata_props if p.key == "pkg.torch.onnx.stack_trace")
-    assert where.startswith('File "llmtrace/export/graph.py"')
-    assert 'File "llmtrace/model.py"' in where
+    assert where.startswith('File "llmtrace_book/export/graph.py"')
+    assert 'File "llmtrace_book/model.py"' in where
 
 
 def test_another_llama_exports_too(tiny, tmp_path):

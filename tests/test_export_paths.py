@@ -1,4 +1,4 @@
-"""Where `python -m llmtrace.export` reads and writes: `--out` and the cache. Every path it
+"""Where `python -m llmtrace_book.export` reads and writes: `--out` and the cache. Every path it
 cannot use is refused in one line (exit status 2), and the cache, which holds the export, is
 never touched by `--out`; a placement that fails half-way leaves nothing behind.
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from helpers import process_env
-from llmtrace import export
-from llmtrace.disk_cache import atomic_path, usable, write_manifest
+from llmtrace_book import export
+from llmtrace_book.disk_cache import atomic_path, usable, write_manifest
 
 KEY = "smollm2-135m-stand-in"
 FILES = ["model.onnx", "model.onnx.data.000", "model.onnx.data.001", "tokenizer.json",
@@ -172,7 +172,7 @@ def test_a_read_only_cache_that_holds_the_export_serves_it(cache, tmp_path, monk
     """Read-only is refused only where something must be made: the export found is used."""
     def no_write(d, need_bytes=0):
         raise AssertionError(f"{d} was to be written")
-    monkeypatch.setattr("llmtrace.disk_cache.check_writable", no_write)
+    monkeypatch.setattr("llmtrace_book.disk_cache.check_writable", no_write)
     assert export.main(["--out", str(tmp_path / "site")]) == 0
     placed(tmp_path / "site")
 
@@ -192,13 +192,13 @@ SETPRIV = shutil.which("setpriv")
 
 
 def without_capabilities(*argv: str, **env) -> subprocess.CompletedProcess:
-    """`python -m llmtrace.export` in a process that has no capability: as root it still owns
+    """`python -m llmtrace_book.export` in a process that has no capability: as root it still owns
     root's files, but permission bits bind it (no CAP_DAC_OVERRIDE)."""
     if SETPRIV is None:
         pytest.skip("setpriv (util-linux) is not installed: a read-only directory cannot be "
                     "tested as root without it")
     return subprocess.run([SETPRIV, "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all",
-                           "--", sys.executable, "-m", "llmtrace.export", *argv],
+                           "--", sys.executable, "-m", "llmtrace_book.export", *argv],
                           capture_output=True, text=True, env=process_env(**env), timeout=120)
 
 

@@ -12,16 +12,16 @@ import pytest
 import torch
 import transformers
 
-from llmtrace import Config, LlmTraceError, generate, load_model, meta_model
-from llmtrace.attention import causal_mask
-from llmtrace.mechanisms.attention_steps import chunk_mask, window_mask
-from llmtrace.mechanisms.gemma4 import proportional_frequencies
-from llmtrace.mechanisms.yarn import yarn_frequencies
-from llmtrace.lens import keeps_stream, lens_grid, logit_lens
-from llmtrace.model import Model, estimate_trace_bytes, trace_bytes
-from llmtrace.rope import rope_frequencies
-from llmtrace.trace import Trace, TracePool
-from llmtrace.weights.names import tensor_shapes
+from llmtrace_book import Config, LlmTraceError, generate, load_model, meta_model
+from llmtrace_book.attention import causal_mask
+from llmtrace_book.mechanisms.attention_steps import chunk_mask, window_mask
+from llmtrace_book.mechanisms.gemma4 import proportional_frequencies
+from llmtrace_book.mechanisms.yarn import yarn_frequencies
+from llmtrace_book.lens import keeps_stream, lens_grid, logit_lens
+from llmtrace_book.model import Model, estimate_trace_bytes, trace_bytes
+from llmtrace_book.rope import rope_frequencies
+from llmtrace_book.trace import Trace, TracePool
+from llmtrace_book.weights.names import tensor_shapes
 from tiny_checkpoint import ROWS, hf_config, make_tiny_checkpoint
 
 TOL = 1e-4

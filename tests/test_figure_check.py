@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
 import book  # noqa: E402
 
-from llmtrace import LlmTraceError  # noqa: E402
+from llmtrace_book import LlmTraceError  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

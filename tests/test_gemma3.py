@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-from llmtrace import generate, load_model
-from llmtrace.config import Config
-from llmtrace.weights.names import expected_shapes
-from llmtrace.cost import parameter_count
-from llmtrace.errors import LlmTraceError
-from llmtrace.model import Model, estimate_trace_bytes, trace_bytes, trace_shapes
-from llmtrace.trace import Trace
+from llmtrace_book import generate, load_model
+from llmtrace_book.config import Config
+from llmtrace_book.weights.names import expected_shapes
+from llmtrace_book.cost import parameter_count
+from llmtrace_book.errors import LlmTraceError
+from llmtrace_book.model import Model, estimate_trace_bytes, trace_bytes, trace_shapes
+from llmtrace_book.trace import Trace
 from tiny_checkpoint import make_tiny_checkpoint
 
 PROMPT_LEN = 11  # past the window of 4
@@ -201,8 +201,8 @@ def test_to_hf_writes_gemma_switches_only_as_gemma(preset, change, says):
 def test_written_back_hf_reads_the_same_model(gemma, tmp_path):
     """save_hf writes Gemma's names (pre_feedforward_layernorm...) and config.json: HF's class
     loads them and computes the same logits."""
-    from llmtrace.model import state_dict_from_weights
-    from llmtrace.weights.hf import save_hf
+    from llmtrace_book.model import state_dict_from_weights
+    from llmtrace_book.weights.hf import save_hf
 
     model, hf = gemma
     save_hf(tmp_path, model.config, state_dict_from_weights(model.config, model.weights))

@@ -1,7 +1,7 @@
 """Gemma 4's text model (gemma4.py) against HF transformers' own classes on tiny random
 weights: its rotary tables, per-layer inputs, attention of each kind (a sliding layer, a full
 layer whose V is K's projection, a layer reading another's K and V), a decoder layer, and the
-whole Gemma4ForCausalLM composed from llmtrace's stages, prefill past the window and decode
+whole Gemma4ForCausalLM composed from llmtrace_book's stages, prefill past the window and decode
 with the cache. Each piece has a negative control; the shapes come out the same on meta.
 The parts are the library's (`Gemma4Attention` with `Scaled` and, on sliding layers, `Windowed`;
 `SandwichBlock`, `Gemma4Block`, `GeGLU`), built from the `Config` the library reads from HF's
@@ -17,22 +17,22 @@ from safetensors.torch import load_file
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
-from llmtrace import Config, meta_model
-from llmtrace.attention import Positions, causal_mask
-from llmtrace.errors import LlmTraceError
-from llmtrace.mechanisms import part
-from llmtrace.mechanisms.attention_steps import Scaled, Windowed, window_mask
-from llmtrace.mechanisms.gemma import GeGLU, SandwichBlock, offset_rms_norm, scaled_embed
-from llmtrace.mechanisms.gemma4 import (Gemma4Attention, Gemma4Block, PleWeights,
+from llmtrace_book import Config, meta_model
+from llmtrace_book.attention import Positions, causal_mask
+from llmtrace_book.errors import LlmTraceError
+from llmtrace_book.mechanisms import part
+from llmtrace_book.mechanisms.attention_steps import Scaled, Windowed, window_mask
+from llmtrace_book.mechanisms.gemma import GeGLU, SandwichBlock, offset_rms_norm, scaled_embed
+from llmtrace_book.mechanisms.gemma4 import (Gemma4Attention, Gemma4Block, PleWeights,
                                         config_layer_shapes, kv_bytes_per_token, kv_sources,
                                         layer_scaled, layer_shapes, params_of_shapes,
                                         per_layer_inputs, per_layer_residual,
                                         proportional_cos_sin, proportional_frequencies,
                                         refuse_unsupported, rope_settings, softcap)
-from llmtrace.kv_cache import KVCache
-from llmtrace.norm import rms_norm
-from llmtrace.rope import apply_rope, rope_cos_sin
-from llmtrace.trace import NO_TRACE, Trace
+from llmtrace_book.kv_cache import KVCache
+from llmtrace_book.norm import rms_norm
+from llmtrace_book.rope import apply_rope, rope_cos_sin
+from llmtrace_book.trace import NO_TRACE, Trace
 
 TOL = 1e-5
 KINDS = ["sliding_attention", "sliding_attention", "full_attention"] * 2
@@ -265,7 +265,7 @@ def attention(c, i):
 
 def lib_logits(c, sd, ids, start=0, caches=None, trace=NO_TRACE, off=(), fraction=0.5,
                cap=3.0, **where):
-    """Gemma4ForCausalLM from llmtrace's stages, each layer's attention its part of config c.
+    """Gemma4ForCausalLM from llmtrace_book's stages, each layer's attention its part of config c.
     off: pieces left out (or Gemma 3's form in their place), for the controls; cap:
     final_logit_softcapping (None: none)."""
     if "attn_scale" in off:  # no Scaled: scores / sqrt(hd), in place of * 1

@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-from llmtrace import Config, LlmTraceError, load_model, meta_model
-from llmtrace.cost import parameter_count
-from llmtrace.mechanisms.gemma4 import (cache_shape, config_layer_shapes, kv_bytes_per_token,
+from llmtrace_book import Config, LlmTraceError, load_model, meta_model
+from llmtrace_book.cost import parameter_count
+from llmtrace_book.mechanisms.gemma4 import (cache_shape, config_layer_shapes, kv_bytes_per_token,
                              layer_kv_values)
-from llmtrace.model import trace_shapes
+from llmtrace_book.model import trace_shapes
 from tiny_checkpoint import hf_config, make_tiny_checkpoint
 
 

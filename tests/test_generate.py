@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from llmtrace import LlmTraceError, Trace, Tracing, generate, sample
+from llmtrace_book import LlmTraceError, Trace, Tracing, generate, sample
 from helpers import PROMPT
 
 
@@ -43,7 +43,7 @@ def test_decode_step_reads_the_cache(embedded):
 
 
 def test_causal_mask_with_a_filled_cache():
-    from llmtrace.attention import causal_mask
+    from llmtrace_book.attention import causal_mask
 
     m = causal_mask(2, 5, 3)  # two new queries at positions 3 and 4, five keys
     assert torch.equal(m == 0, torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool))

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from helpers import PROMPT, one_line
-from llmtrace import LlmTraceError, load_model
-from llmtrace.model import state_dict_from_weights
-from llmtrace.weights.gguf import GGUF_LAYER_NAMES, GGUF_NAMES
-from llmtrace.rope import half_split_to_adjacent
-from llmtrace.weights import tokenizer_llama
+from llmtrace_book import LlmTraceError, load_model
+from llmtrace_book.model import state_dict_from_weights
+from llmtrace_book.weights.gguf import GGUF_LAYER_NAMES, GGUF_NAMES
+from llmtrace_book.rope import half_split_to_adjacent
+from llmtrace_book.weights import tokenizer_llama
 
 
 def gguf_tensors(model) -> dict[str, np.ndarray]:
@@ -90,7 +90,7 @@ def write_gguf(path, model, vocab, arch="llama", extra=None, drop=(), tokenizer=
 def test_a_sentencepiece_gguf_loads_as_its_checkpoint(tiny, vocab, tmp_path):
     """Every Llama 2 and TinyLlama GGUF has this vocabulary: the SentencePiece model built from
     it is Meta's tokenizer.model byte for byte, and the logits are the checkpoint's."""
-    from llmtrace.weights.tokenizer_llama import LLAMA2_SHA256, gguf_sentencepiece
+    from llmtrace_book.weights.tokenizer_llama import LLAMA2_SHA256, gguf_sentencepiece
 
     meta = {f"tokenizer.ggml.{k}": v for k, v in vocab.items()}
     assert hashlib.sha256(gguf_sentencepiece(meta, 1, 2)).hexdigest() == LLAMA2_SHA256

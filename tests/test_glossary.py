@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from llmtrace import Trace, sample, trace_shapes
+from llmtrace_book import Trace, sample, trace_shapes
 
 GLOSSARY = Path(__file__).resolve().parents[1] / "book" / "glossary.md"
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 import transformers
 
-from llmtrace import Config, LlmTraceError, load_model, trace_shapes
-from llmtrace.cost import parameter_count
-from llmtrace.model import Model, state_dict_from_weights
-from llmtrace.weights.hf import save_hf
+from llmtrace_book import Config, LlmTraceError, load_model, trace_shapes
+from llmtrace_book.cost import parameter_count
+from llmtrace_book.model import Model, state_dict_from_weights
+from llmtrace_book.weights.hf import save_hf
 from test_presets import hf_meta_count
 from tiny_checkpoint import hf_config, make_tiny_checkpoint
 

@@ -14,11 +14,11 @@ import torch
 import transformers
 
 from helpers import one_line
-from llmtrace import Config, LlmTraceError, generate, load_model
-from llmtrace.__main__ import main
-from llmtrace.config import FIELD_DEFAULTS
-from llmtrace.model import state_dict_from_weights
-from llmtrace.weights.hf import save_hf
+from llmtrace_book import Config, LlmTraceError, generate, load_model
+from llmtrace_book.__main__ import main
+from llmtrace_book.config import FIELD_DEFAULTS
+from llmtrace_book.model import state_dict_from_weights
+from llmtrace_book.weights.hf import save_hf
 from tiny_checkpoint import ROWS, hf_config, make_tiny_checkpoint
 
 TOL = 1e-4

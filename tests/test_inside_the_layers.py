@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmtrace import Trace
-from llmtrace.trace import Patched
+from llmtrace_book import Trace
+from llmtrace_book.trace import Patched
 
 CHAPTER = Path(__file__).resolve().parents[1] / "notebooks" / "14_inside_the_layers.ipynb"
 PROMPT = "The capital of France is"
@@ -39,7 +39,7 @@ def chapter():
     """The chapter's country list (from its source) and its printed text (from its outputs)."""
     cells = json.loads(CHAPTER.read_text())["cells"]
     code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
-    src = next(s for s in code if s.lstrip().startswith("from llmtrace.tokenize") and
+    src = next(s for s in code if s.lstrip().startswith("from llmtrace_book.tokenize") and
                "capitals = {" in s)
     start = src.index("capitals = {")
     capitals = ast.literal_eval(src[start + len("capitals = "):src.index("}", start) + 1])

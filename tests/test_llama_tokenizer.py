@@ -4,8 +4,8 @@ import hashlib
 
 import pytest
 
-from llmtrace.tokenize import display_piece
-from llmtrace.weights.tokenizer_llama import LLAMA2_BYTES, LLAMA2_SHA256, llama_cpp_vectors, tokenizer_model_path
+from llmtrace_book.tokenize import display_piece
+from llmtrace_book.weights.tokenizer_llama import LLAMA2_BYTES, LLAMA2_SHA256, llama_cpp_vectors, tokenizer_model_path
 from helpers import PROMPT
 
 

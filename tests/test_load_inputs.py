@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import edit_config, one_line
-from llmtrace import Config, LlmTraceError, load_model
+from llmtrace_book import Config, LlmTraceError, load_model
 
 
 # --- loaders: config.json -----------------------------------------------------------------

@@ -20,19 +20,19 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Atte
                                                                   DeepseekV3MoE,
                                                                   DeepseekV3RotaryEmbedding)
 
-from llmtrace.mechanisms import mla
-from llmtrace.mechanisms.moe import MlpWeights, MoeWeights, moe_mlp, moe_params
-from llmtrace.attention import Positions, causal_mask
-from llmtrace.config import Config
-from llmtrace.errors import LlmTraceError
-from llmtrace.mechanisms.mla import (LatentAttention, LatentCache, MlaDims, MlaWeights,
+from llmtrace_book.mechanisms import mla
+from llmtrace_book.mechanisms.moe import MlpWeights, MoeWeights, moe_mlp, moe_params
+from llmtrace_book.attention import Positions, causal_mask
+from llmtrace_book.config import Config
+from llmtrace_book.errors import LlmTraceError
+from llmtrace_book.mechanisms.mla import (LatentAttention, LatentCache, MlaDims, MlaWeights,
                                      cache_bytes_per_token, mla_params,
                                      mla_softmax_scale)
-from llmtrace.mechanisms.yarn import yarn_cos_sin
-from llmtrace.model import Model
-from llmtrace.parts import LayerWeights
-from llmtrace.rope import rope_cos_sin
-from llmtrace.trace import Trace
+from llmtrace_book.mechanisms.yarn import yarn_cos_sin
+from llmtrace_book.model import Model
+from llmtrace_book.parts import LayerWeights
+from llmtrace_book.rope import rope_cos_sin
+from llmtrace_book.trace import Trace
 
 TOL = 1e-5
 D, H, R, RQ, DN, DR, DV = 64, 4, 16, 24, 8, 4, 8
@@ -531,8 +531,8 @@ def test_cache_bytes_per_token_v3_against_llama_405b():
     layer, 61 layers; Llama-3.1-405B, a dense GQA model of the same order, caches K and V of
     8 heads of 128, 126 layers: 7.3 times as many bytes. Without its latent, DeepSeek-V3's
     128 heads would cache K and V of 128 x (192 + 128) numbers per layer: 71 times as many."""
-    from llmtrace.config import Config
-    from llmtrace.cost import parameter_count
+    from llmtrace_book.config import Config
+    from llmtrace_book.cost import parameter_count
 
     v3 = DeepseekV3Config()  # its defaults are DeepSeek-V3's published config
     ours = SimpleNamespace(n_layers=v3.num_hidden_layers, kv_lora_rank=v3.kv_lora_rank,

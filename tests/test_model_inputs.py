@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from helpers import PROMPT, nan_weight, one_line
-from llmtrace import LlmTraceError, Tracing, generate, load_model
-from llmtrace.model import estimate_trace_bytes, trace_bytes
-from llmtrace.trace import Trace
+from llmtrace_book import LlmTraceError, Tracing, generate, load_model
+from llmtrace_book.model import estimate_trace_bytes, trace_bytes
+from llmtrace_book.trace import Trace
 
 
 @pytest.mark.parametrize("ids, says", [

@@ -11,13 +11,13 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from llmtrace.mechanisms import moe
-from llmtrace.config import Config
-from llmtrace.errors import LlmTraceError
-from llmtrace.mechanisms.moe import MoeWeights, moe_mlp, moe_params
-from llmtrace.model import Model
-from llmtrace.parts import LayerWeights
-from llmtrace.trace import Patched, Trace
+from llmtrace_book.mechanisms import moe
+from llmtrace_book.config import Config
+from llmtrace_book.errors import LlmTraceError
+from llmtrace_book.mechanisms.moe import MoeWeights, moe_mlp, moe_params
+from llmtrace_book.model import Model
+from llmtrace_book.parts import LayerWeights
+from llmtrace_book.trace import Patched, Trace
 
 TOL = 1e-5
 D, FF, E, K = 48, 40, 8, 2
@@ -391,8 +391,8 @@ def test_mixtral_8x7b_layer_on_meta():
 def test_each_router_name_is_a_class():
     """The config's moe_router names (config_checks.ROUTERS) are the router classes', one each,
     and a layer's part holds the rule its config names."""
-    from llmtrace.config_checks import ROUTERS
-    from llmtrace.mechanisms.moe import ROUTERS_BY_NAME, SigmoidGroup, TopKSoftmax
+    from llmtrace_book.config_checks import ROUTERS
+    from llmtrace_book.mechanisms.moe import ROUTERS_BY_NAME, SigmoidGroup, TopKSoftmax
 
     assert sorted(ROUTERS_BY_NAME) == sorted(ROUTERS)
     assert len(set(ROUTERS_BY_NAME.values())) == len(ROUTERS)

@@ -10,10 +10,10 @@ import pytest
 import torch
 import transformers
 
-from llmtrace import Config, LlmTraceError, load_model, trace_shapes
-from llmtrace.cost import parameter_count, parameter_table
-from llmtrace.model import Model, state_dict_from_weights
-from llmtrace.weights.hf import save_hf
+from llmtrace_book import Config, LlmTraceError, load_model, trace_shapes
+from llmtrace_book.cost import parameter_count, parameter_table
+from llmtrace_book.model import Model, state_dict_from_weights
+from llmtrace_book.weights.hf import save_hf
 from tiny_checkpoint import ROWS, hf_config, make_tiny_checkpoint
 
 MOE_ROWS = ("mixtral", "qwen3_moe", "qwen3_moe_sparse")

@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers
 
-from llmtrace import Config, LlmTraceError, generate, load_model, trace_shapes
-from llmtrace.model import Model
+from llmtrace_book import Config, LlmTraceError, generate, load_model, trace_shapes
+from llmtrace_book.model import Model
 from tiny_checkpoint import ROWS, make_tiny_checkpoint
 
 SHAPES = dict(vocab_size=128256, hidden_size=64, intermediate_size=96, num_attention_heads=4)

@@ -1,5 +1,5 @@
 """The walk, chapters 1 to 13, teaches one Llama: no visible cell names another family's switch
-or the parts other families add (`llmtrace.mechanisms`). What another family changes lives in the
+or the parts other families add (`llmtrace_book.mechanisms`). What another family changes lives in the
 library, in cells whose code the page hides (the comparison with the trace goes through
 `book.check_plain`), and in chapter 16."""
 
@@ -11,7 +11,7 @@ from test_chapters_any_model import NOTEBOOKS
 from test_visible_cells import visible_cells
 
 # the config's switches of other families, the trace names only they record, and the package
-# of the parts they add to Llama's (`llmtrace.mechanisms`, which no Llama reads)
+# of the parts they add to Llama's (`llmtrace_book.mechanisms`, which no Llama reads)
 SWITCHES = ["norm_offset", "sandwich_norm", "qk_norm", "qkv_bias", "is_sliding", "embed_scale",
             "mlp_act", "attn_scale", "sliding_window", "layer_types", "rope_scaling",
             "rope_local_theta", "family", "embed.scaled", "post_norm", "q_norm", "k_norm",
@@ -40,5 +40,5 @@ def test_the_scan_sees_a_switch_and_skips_comments():
     assert switches_named('x = trace["embed.scaled"]') == ["embed.scaled"]
     assert switches_named("x = rms_norm(h)  # Gemma 3: sandwich_norm") == []
     assert switches_named("attn_scaled = 1") == []
-    assert switches_named("from llmtrace.mechanisms.gemma import offset_rms_norm") == [
+    assert switches_named("from llmtrace_book.mechanisms.gemma import offset_rms_norm") == [
         "mechanisms"]

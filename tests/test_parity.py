@@ -6,11 +6,11 @@ import torch
 from transformers import LlamaForCausalLM
 from transformers.models.llama import modeling_llama as hf_llama
 
-from llmtrace import generate
-from llmtrace.attention import repeat_kv
-from llmtrace.mlp import swiglu
-from llmtrace.norm import rms_norm
-from llmtrace.rope import adjacent_to_half_split, apply_rope, half_split_to_adjacent, rope_cos_sin
+from llmtrace_book import generate
+from llmtrace_book.attention import repeat_kv
+from llmtrace_book.mlp import swiglu
+from llmtrace_book.norm import rms_norm
+from llmtrace_book.rope import adjacent_to_half_split, apply_rope, half_split_to_adjacent, rope_cos_sin
 from helpers import PROMPT
 
 PROMPTS = [PROMPT, "def fibonacci(n):\n    return", "1 + 1 = 2, 2 + 2 =",
@@ -40,7 +40,7 @@ def test_decode_steps_match_hf(embedded, hf_reference):
 
 def test_without_the_unpermute_logits_drift(embedded, hf_reference):
     """What parity guards against: skipping the Q/K un-permute keeps the shapes and changes the logits."""
-    from llmtrace.model import Model, state_dict_from_weights, weights_from_state_dict
+    from llmtrace_book.model import Model, state_dict_from_weights, weights_from_state_dict
 
     c = embedded.config
     sd = dict(state_dict_from_weights(c, embedded.weights))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from llmtrace import LlmTraceError, Patched, generate
+from llmtrace_book import LlmTraceError, Patched, generate
 from helpers import PROMPT
 
 FRANCE, GERMANY = PROMPT, "The capital of Germany is"

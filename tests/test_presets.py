@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers
 
-from llmtrace import Config, meta_model, trace_shapes
-from llmtrace.cost import parameter_count
-from llmtrace.rope import rope_frequencies
+from llmtrace_book import Config, meta_model, trace_shapes
+from llmtrace_book.cost import parameter_count
+from llmtrace_book.rope import rope_frequencies
 
 # the totals the model cards and the HF hub's safetensors metadata give (a float: in billions,
 # as rounded where only that is published: Mixtral's 46.7B from Mistral's announcement, Qwen's

@@ -9,12 +9,12 @@ import pytest
 import torch
 import transformers
 
-from llmtrace import Config, LlmTraceError, generate, load_model, trace_shapes
-from llmtrace import cost
-from llmtrace.cost import parameter_count
-from llmtrace.mechanisms.deltanet import DeltaNetState
-from llmtrace.kv_cache import KVCache
-from llmtrace.model import Model
+from llmtrace_book import Config, LlmTraceError, generate, load_model, trace_shapes
+from llmtrace_book import cost
+from llmtrace_book.cost import parameter_count
+from llmtrace_book.mechanisms.deltanet import DeltaNetState
+from llmtrace_book.kv_cache import KVCache
+from llmtrace_book.model import Model
 from tiny_checkpoint import ROWS, make_tiny_checkpoint
 
 TOL = 1e-4
@@ -273,8 +273,8 @@ def test_the_weights_go_back_under_hfs_names(pair, tmp_path):
 
     from safetensors.torch import load_file
 
-    from llmtrace.model import state_dict_from_weights
-    from llmtrace.weights.hf import save_hf
+    from llmtrace_book.model import state_dict_from_weights
+    from llmtrace_book.weights.hf import save_hf
 
     model, hf, ids = pair
     original = load_file(str(Path(model.source) / "model.safetensors"))

@@ -1,4 +1,4 @@
-"""What a release names: the version, said once (`__version__`) and shown by `llmtrace --version`,
+"""What a release names: the version, said once (`__version__`) and shown by `llmtrace-book --version`,
 the book's footer, CITATION.cff and CHANGELOG.md; CITATION.cff against the Citation File Format
 schema; the book's configuration as built (book/build_config.py), where `repository: url:` alone
 switches the repository and Binder buttons on, checked by building a one-page book with it."""
@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-import llmtrace
-from llmtrace.__main__ import main
+import llmtrace_book
+from llmtrace_book.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "book"))
 import build_config  # noqa: E402  (book/build_config.py, which `make book` runs)
 
-VERSION = llmtrace.__version__
+VERSION = llmtrace_book.__version__
 CONFIG = yaml.safe_load((ROOT / "_config.yml").read_text())
 REPO = "https://github.com/OWNER/llmtrace"
 
@@ -36,7 +36,7 @@ def test_version_flag(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])  # no prompt needed
     assert e.value.code == 0
-    assert capsys.readouterr().out == f"llmtrace {VERSION}\n"
+    assert capsys.readouterr().out == f"llmtrace-book {VERSION}\n"
 
 
 def test_citation_and_changelog_name_this_version():

@@ -11,8 +11,8 @@ from transformers.generation.logits_process import (TemperatureLogitsWarper, Top
                                                     TopPLogitsWarper)
 
 from helpers import PROMPT
-from llmtrace import Trace, sample
-from llmtrace.sampling import warp
+from llmtrace_book import Trace, sample
+from llmtrace_book.sampling import warp
 
 
 def hf(logits, temperature, top_k=None, top_p=None):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import PROMPT, one_line
-from llmtrace import LlmTraceError, Tracing, generate, meta_model, sample
+from llmtrace_book import LlmTraceError, Tracing, generate, meta_model, sample
 
 
 @pytest.mark.parametrize("kwargs, says", [
@@ -75,7 +75,7 @@ def test_trace_policy_must_be_a_bool_or_a_tracing(tiny):
 
 
 def test_sampling_arguments_are_checked_once(tiny, monkeypatch):
-    gen = sys.modules["llmtrace.generate"]  # the module; llmtrace.generate is the function
+    gen = sys.modules["llmtrace_book.generate"]  # the module; llmtrace_book.generate is the function
     calls = []
     real = gen.check_sampling
     monkeypatch.setattr(gen, "check_sampling", lambda *a: calls.append(a) or real(*a))

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from llmtrace import Config, meta_model
-from llmtrace.model import trace_shapes
+from llmtrace_book import Config, meta_model
+from llmtrace_book.model import trace_shapes
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_kv_cache_memory_at_full_context():
     """TinyLlama's cache at 2,048 positions: 22 layers x K and V x 2048 x 4 KV heads x 64, in fp16."""
     import torch
 
-    from llmtrace.kv_cache import KVCache
+    from llmtrace_book.kv_cache import KVCache
 
     c = Config.from_name("tinyllama-1.1b")
     one = KVCache(c.max_positions, c.n_kv_heads, c.head_dim, device="meta", dtype=torch.float16)

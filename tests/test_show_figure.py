@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llmtrace import LlmTraceError
+from llmtrace_book import LlmTraceError
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 

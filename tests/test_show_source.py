@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-import llmtrace
-from llmtrace import attention as attention_module
-from llmtrace import block as block_module
-from llmtrace import embed as embed_module
-from llmtrace import kv_cache, mlp, norm, rope
-from llmtrace.model import Model
+import llmtrace_book
+from llmtrace_book import attention as attention_module
+from llmtrace_book import block as block_module
+from llmtrace_book import embed as embed_module
+from llmtrace_book import kv_cache, mlp, norm, rope
+from llmtrace_book.model import Model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
 import book  # noqa: E402
@@ -45,22 +45,22 @@ def test_the_listing_is_the_source_as_its_file_has_it(monkeypatch):
     said = []
     monkeypatch.setattr(book, "say", said.append)
     book.show_source(attention_module.Attention, Model.forward)
-    root = Path(llmtrace.__file__).resolve().parent
+    root = Path(llmtrace_book.__file__).resolve().parent
     for text, obj in zip(said, (attention_module.Attention, inspect.unwrap(Model.forward))):
         where = Path(inspect.getsourcefile(obj)).resolve().relative_to(root)
-        assert text == f"From `llmtrace/{where}`:\n\n```python\n{inspect.getsource(obj)}```"
+        assert text == f"From `llmtrace_book/{where}`:\n\n```python\n{inspect.getsource(obj)}```"
         assert "abridged" not in text
 
 
 def test_a_family_is_a_subclass_that_states_its_parts():
     """Every family's model is a subclass of Model registered under its model_type, and a Llama
     config gets Llama's parts."""
-    from llmtrace.families import REGISTRY
+    from llmtrace_book.families import REGISTRY
 
     assert set(REGISTRY) <= set(Model.families)
     for model_type, cls in Model.families.items():
         assert issubclass(cls, Model), model_type
-    from llmtrace import meta_model
+    from llmtrace_book import meta_model
 
     m = meta_model("tinyllama-1.1b")
     assert type(m.blocks[0]) is block_module.Block

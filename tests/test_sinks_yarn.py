@@ -15,13 +15,13 @@ from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import (GptOssRotaryEmbedding,
                                                           eager_attention_forward)
 
-from llmtrace import Config, LlmTraceError, load_model
-from llmtrace.attention import Attention, Positions, causal_mask, repeat_kv
-from llmtrace.mechanisms import part
-from llmtrace.mechanisms.attention_steps import Sinks, Unturned, Windowed, window_mask
-from llmtrace.mechanisms.yarn import rope_attention_factor, yarn_cos_sin, yarn_frequencies
-from llmtrace.rope import rope_cos_sin, rope_frequencies
-from llmtrace.trace import Trace
+from llmtrace_book import Config, LlmTraceError, load_model
+from llmtrace_book.attention import Attention, Positions, causal_mask, repeat_kv
+from llmtrace_book.mechanisms import part
+from llmtrace_book.mechanisms.attention_steps import Sinks, Unturned, Windowed, window_mask
+from llmtrace_book.mechanisms.yarn import rope_attention_factor, yarn_cos_sin, yarn_frequencies
+from llmtrace_book.rope import rope_cos_sin, rope_frequencies
+from llmtrace_book.trace import Trace
 
 TOL = 1e-6
 B, H, KV, T, HD = 2, 4, 2, 9, 16

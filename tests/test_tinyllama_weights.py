@@ -5,9 +5,9 @@ import socket
 import pytest
 import torch
 
-from llmtrace import LlmTraceError, load_model
-from llmtrace.load import embedded_checkpoint
-from llmtrace.weights.hub import download, find_tinyllama
+from llmtrace_book import LlmTraceError, load_model
+from llmtrace_book.load import embedded_checkpoint
+from llmtrace_book.weights.hub import download, find_tinyllama
 from helpers import PROMPT
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from llmtrace.tokenize import display_piece
+from llmtrace_book.tokenize import display_piece
 from helpers import PROMPT
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from llmtrace import LlmTraceError, Trace
+from llmtrace_book import LlmTraceError, Trace
 from helpers import PROMPT
 
 LAYER_OPS = [
@@ -90,7 +90,7 @@ def test_shapes_only_and_name_filters(embedded):
 
 
 def test_table_and_compare(embedded):
-    from llmtrace import Tracing, generate
+    from llmtrace_book import Tracing, generate
 
     g = generate(embedded, PROMPT, max_new_tokens=2,
                  trace=Tracing(keep_values=False))
@@ -113,7 +113,7 @@ def test_trace_find_glob():
 
 
 def test_logit_lens_last_layer_is_the_output(embedded, prompt_trace):
-    from llmtrace.lens import logit_lens
+    from llmtrace_book.lens import logit_lens
 
     logits, trace = prompt_trace
     probs = logit_lens(embedded, trace)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from helpers import PROMPT, one_line
-from llmtrace import LlmTraceError, Trace, generate, logit_lens
-from llmtrace.lens import lens_grid
+from llmtrace_book import LlmTraceError, Trace, generate, logit_lens
+from llmtrace_book.lens import lens_grid
 
 
 @pytest.fixture(scope="module")

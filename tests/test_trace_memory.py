@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmtrace import Trace
-from llmtrace.trace import TracePool
+from llmtrace_book import Trace
+from llmtrace_book.trace import TracePool
 from helpers import PROMPT
 
 RECOMPUTED = {"attn.masked_scores", "attn.k_expanded", "attn.v_expanded", "attn.merged", "mlp.act"}

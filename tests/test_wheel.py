@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-import llmtrace
-from llmtrace.weights.gguf import EMBEDDED_REQUIREMENT
+import llmtrace_book
+from llmtrace_book.weights.gguf import EMBEDDED_REQUIREMENT
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"
-VERSION = llmtrace.__version__
+VERSION = llmtrace_book.__version__
 # what the book pins (requirements.txt): the wheel's lower bounds must admit each of these
 PINS = dict(line.split("==") for line in (ROOT / "requirements.txt").read_text().splitlines()
             if "==" in line and not line.startswith("#"))
@@ -50,7 +50,7 @@ def clean_env() -> dict:
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    egg_info = ROOT / "lib" / "llmtrace.egg-info"  # what setuptools leaves in the source tree
+    egg_info = ROOT / "lib" / "llmtrace_book.egg-info"  # what setuptools leaves in the source tree
     was_there = egg_info.exists()
     try:
         run([sys.executable, "-m", "build", "--outdir", out, ROOT / "lib"], cwd=ROOT)
@@ -81,7 +81,7 @@ def venv(tmp_path_factory, wheel) -> Path:
 def metadata(wheel: Path):
     with zipfile.ZipFile(wheel) as z:
         return email.parser.Parser().parsestr(
-            z.read(f"llmtrace-{VERSION}.dist-info/METADATA").decode())
+            z.read(f"llmtrace_book-{VERSION}.dist-info/METADATA").decode())
 
 
 def test_build_makes_an_sdist_and_a_wheel_of_this_version(dist):
@@ -91,7 +91,7 @@ def test_build_makes_an_sdist_and_a_wheel_of_this_version(dist):
 
 def test_the_wheels_metadata(wheel):
     m = metadata(wheel)
-    assert (m["Name"], m["Version"]) == ("llmtrace", VERSION)
+    assert (m["Name"], m["Version"]) == ("llmtrace-book", VERSION)
     assert m["License-Expression"] == "Apache-2.0"
     assert m.get_all("License-File") == ["LICENSE", "NOTICE"]
     assert m["Requires-Python"] == ">=3.10"
@@ -109,7 +109,7 @@ def test_the_wheels_metadata(wheel):
 def test_the_licence_files_are_the_checkouts(dist, wheel):
     with zipfile.ZipFile(wheel) as z:
         for name in ("LICENSE", "NOTICE"):
-            text = z.read(f"llmtrace-{VERSION}.dist-info/licenses/{name}").decode()
+            text = z.read(f"llmtrace_book-{VERSION}.dist-info/licenses/{name}").decode()
             assert text == (ROOT / name).read_text()
     with tarfile.open(dist / f"llmtrace-{VERSION}.tar.gz") as t:
         member = t.getmember(f"llmtrace-{VERSION}/LICENSE")
@@ -118,12 +118,12 @@ def test_the_licence_files_are_the_checkouts(dist, wheel):
 
 
 def llmtrace_cli(venv: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return run([venv / "bin" / "llmtrace", *args], env=clean_env(), cwd=cwd, timeout=300)
+    return run([venv / "bin" / "llmtrace-book", *args], env=clean_env(), cwd=cwd, timeout=300)
 
 
 def test_the_console_script_answers_paris(venv, tmp_path):
     # run outside the checkout, so that nothing but the installed package can be imported
-    r = run([venv / "bin" / "python", "-c", "import llmtrace; print(llmtrace.__file__)"],
+    r = run([venv / "bin" / "python", "-c", "import llmtrace_book; print(llmtrace_book.__file__)"],
             env=clean_env(), cwd=tmp_path)
     assert Path(r.stdout.strip()).is_relative_to(venv)
     out = llmtrace_cli(venv, PROMPT, cwd=tmp_path).stdout
@@ -132,7 +132,7 @@ def test_the_console_script_answers_paris(venv, tmp_path):
     js = json.loads(llmtrace_cli(venv, "--json", "--max-new-tokens", "1", PROMPT,
                                  cwd=tmp_path).stdout)
     assert js["model"] == "smollm2-135m-instruct" and js["new_pieces"] == [" Paris"]
-    assert llmtrace_cli(venv, "--version", cwd=tmp_path).stdout == f"llmtrace {VERSION}\n"
+    assert llmtrace_cli(venv, "--version", cwd=tmp_path).stdout == f"llmtrace-book {VERSION}\n"
 
 
 def test_the_console_script_traces_tinyllamas_shapes(venv, tmp_path):
@@ -145,11 +145,11 @@ def test_the_console_script_traces_tinyllamas_shapes(venv, tmp_path):
 
 def test_the_installed_package_is_the_library_alone(venv):
     r = run([venv / "bin" / "python", "-c",
-             "import importlib.metadata as m; print('\\n'.join(map(str, m.files('llmtrace'))))"],
+             "import importlib.metadata as m; print('\\n'.join(map(str, m.files('llmtrace-book'))))"],
             env=clean_env(), cwd=venv)
     files = r.stdout.split()
-    dist_info = f"llmtrace-{VERSION}.dist-info/"
-    outside = [f for f in files if not f.startswith(("llmtrace/", dist_info))]
+    dist_info = f"llmtrace_book-{VERSION}.dist-info/"
+    outside = [f for f in files if not f.startswith(("llmtrace_book/", dist_info))]
     assert outside == ["../../../bin/llmtrace"]  # the console script, and nothing else
     for f in files:
         name = Path(f).name
@@ -158,5 +158,5 @@ def test_the_installed_package_is_the_library_alone(venv):
                     or "notebooks" in f or "book/" in f), f
     modules = sorted(f for f in files if f.endswith(".py"))
     lib = sorted(p.relative_to(ROOT / "lib").as_posix()
-                 for p in (ROOT / "lib" / "llmtrace").rglob("*.py"))
+                 for p in (ROOT / "lib" / "llmtrace_book").rglob("*.py"))
     assert modules == lib  # every module of the library, nothing missing

@@ -277,7 +277,7 @@ def make_tiny_checkpoint(directory: str | Path, seed: int = 0, family: str = "ll
     import torch
     import transformers
 
-    from llmtrace.weights.tokenizer_llama import build
+    from llmtrace_book.weights.tokenizer_llama import build
 
     row = ROWS[family]
     d = Path(directory)

@@ -1,7 +1,7 @@
 """Chapter 1: the machine's size, from its config alone."""
 
-from llmtrace import Config, meta_model
-from llmtrace.model import state_dict_from_weights
+from llmtrace_book import Config, meta_model
+from llmtrace_book.model import state_dict_from_weights
 
 from .registry import Case, exercise
 

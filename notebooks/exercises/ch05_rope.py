@@ -4,8 +4,8 @@ from typing import Callable
 
 import torch
 
-from llmtrace.rope import apply_rope, llama3_scaled
-from llmtrace.rope import rope_cos_sin as library_cos_sin
+from llmtrace_book.rope import apply_rope, llama3_scaled
+from llmtrace_book.rope import rope_cos_sin as library_cos_sin
 
 from .registry import Case, caller, exercise, trace_of
 from .verdicts import shape, tensor_compare, tensor_diff, tuple_compare

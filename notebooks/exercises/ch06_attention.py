@@ -6,7 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from llmtrace.rope import rope_frequencies
+from llmtrace_book.rope import rope_frequencies
 
 from .ch05_rope import rope_rotate
 from .registry import Case, caller, exercise, run, trace_of
@@ -51,7 +51,7 @@ def attention_from_weights(x, w, config, layer: int) -> torch.Tensor:
     q_proj [H*hd, D], k_proj and v_proj [KV*hd, D], o_proj [D, H*hd]); config: the model's
     Config (n_heads, n_kv_heads, head_dim, rope_theta, rope_scaling); layer: its index
     -> [B, T, D], what the layer's attention adds to the stream (`attn.out`): project, split into
-    heads, rotate q and k (RoPE: `llmtrace.rope.rope_frequencies` gives the frequencies, Llama
+    heads, rotate q and k (RoPE: `llmtrace_book.rope.rope_frequencies` gives the frequencies, Llama
     3's stretch included), repeat each KV head for its query heads, scores scaled by
     1/sqrt(head_dim), the causal mask, softmax, the weighted sum of the values, heads side by
     side, o_proj. Today's families add: biases on q, k, v (w.q_bias...), a norm on each head of

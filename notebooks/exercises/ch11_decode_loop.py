@@ -6,8 +6,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from llmtrace import LlmTraceError, generate
-from llmtrace.rope import rope_frequencies
+from llmtrace_book import LlmTraceError, generate
+from llmtrace_book.rope import rope_frequencies
 
 from .ch05_rope import rope_rotate
 from .ch07_ffn import activation

@@ -2,7 +2,7 @@
 
 import torch
 
-from llmtrace.errors import LlmTraceError
+from llmtrace_book.errors import LlmTraceError
 
 from .registry import PROMPT, Case, Edited, ReturnedNone, Stub, copy_inputs, edited, \
     exercise, is_stub, run, trace_of

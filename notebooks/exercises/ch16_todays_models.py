@@ -6,15 +6,15 @@ import math
 
 import torch
 
-from llmtrace.attention import repeat_kv
-from llmtrace.config import Config
-from llmtrace.attention import Attention
-from llmtrace.mechanisms import part
-from llmtrace.mechanisms.attention_steps import Sinks, Unturned, Windowed
-from llmtrace.mechanisms.moe import MoE, MoeWeights
-from llmtrace.model import Model, Weights, weights_from_state_dict
-from llmtrace.trace import Trace
-from llmtrace.weights.names import expected_shapes
+from llmtrace_book.attention import repeat_kv
+from llmtrace_book.config import Config
+from llmtrace_book.attention import Attention
+from llmtrace_book.mechanisms import part
+from llmtrace_book.mechanisms.attention_steps import Sinks, Unturned, Windowed
+from llmtrace_book.mechanisms.moe import MoE, MoeWeights
+from llmtrace_book.model import Model, Weights, weights_from_state_dict
+from llmtrace_book.trace import Trace
+from llmtrace_book.weights.names import expected_shapes
 
 from .registry import PROMPT, Case, caller, exercise
 from .verdicts import shape, tensor_compare, tuple_compare
@@ -228,9 +228,9 @@ def _(model) -> Case:
     attention layer of random weights of the running model's width, the library's own
     (`mechanisms.mla.LatentAttention`, of a one-layer DeepSeek-V3 config): the cached latents
     it records, its kv_b_proj weight, and the keys and values it rebuilt from them."""
-    from llmtrace.attention import Positions
-    from llmtrace.mechanisms.mla import LatentAttention, MlaWeights
-    from llmtrace.parts import LayerWeights
+    from llmtrace_book.attention import Positions
+    from llmtrace_book.mechanisms.mla import LatentAttention, MlaWeights
+    from llmtrace_book.parts import LayerWeights
 
     D = model.config.hidden_size
     H, R, dn, dr, dv = 4, 16, 8, 4, 6
@@ -425,8 +425,8 @@ def _compare_sources(got, want) -> str | None:
 def _(model) -> Case:
     """Checked on the records of gemma-4-e2b's walk on the meta device (any running model):
     which layer's K each layer's kv_cache.k holds."""
-    from llmtrace import Config
-    from llmtrace.model import trace_shapes
+    from llmtrace_book import Config
+    from llmtrace_book.model import trace_shapes
 
     c = Config.from_name("gemma-4-e2b")
     (trace,) = trace_shapes(c, 2, 0)

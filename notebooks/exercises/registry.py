@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 import torch
 
-from llmtrace import LlmTraceError
-from llmtrace.model import Model
+from llmtrace_book import LlmTraceError
+from llmtrace_book.model import Model
 
 from .verdicts import first_line, generic_hint, same_error
 
@@ -247,7 +247,7 @@ _data: dict[int, tuple[Model, dict]] = {}  # id(model) -> (model, {"trace": ...,
 
 
 def default_model() -> Model:
-    from llmtrace import load_model
+    from llmtrace_book import load_model
 
     key = os.environ.get("LLMTRACE_MODEL", "")
     if key not in _models:

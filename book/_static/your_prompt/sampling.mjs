@@ -1,5 +1,5 @@
 // From the last position's logits to the next token, in the page: the same steps, in the same
-// order, as the library's `warp` (lib/llmtrace/sampling.py, HF's order): divide by the
+// order, as the library's `warp` (lib/llmtrace_book/sampling.py, HF's order): divide by the
 // temperature; keep the top k logits (and any tied with the k-th); of those, renormalized, keep the
 // most likely until the mass below a token holds at most 1 - top_p (at least one kept);
 // renormalize what is kept. The kept set is the library's; the seeded draw is the page's own (a

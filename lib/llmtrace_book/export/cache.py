@@ -34,7 +34,7 @@ def cache_key() -> str:
     gguf = embedded_gguf_path()
     h = hashlib.sha256(f"format {FORMAT} {gguf.stat().st_size} {_digest(gguf)}".encode())
     h.update(json.dumps(versions(), sort_keys=True).encode())
-    package = Path(__file__).resolve().parents[1]  # llmtrace/, this package among it
+    package = Path(__file__).resolve().parents[1]  # llmtrace_book/, this package among it
     for f in sorted(package.rglob("*.py")):
         h.update(f.relative_to(package).as_posix().encode() + b"\0" + f.read_bytes())
     return f"smollm2-135m-{h.hexdigest()[:16]}"

@@ -1,4 +1,4 @@
-"""python -m llmtrace "The capital of France is": the trace table, then the generated text."""
+"""python -m llmtrace_book "The capital of France is": the trace table, then the generated text."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from .errors import LlmTraceError
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse prints usage and exits; here: one line, exit status 2
-        raise LlmTraceError(f"{message}: see python -m llmtrace --help")
+        raise LlmTraceError(f"{message}: see python -m llmtrace_book --help")
 
 
 def parse_args(argv):
-    p = _Parser(prog="python -m llmtrace", description=__doc__)
+    p = _Parser(prog="python -m llmtrace_book", description=__doc__)
     p.add_argument("prompt", help="the text to continue")
     p.add_argument("--model", default=None,
                    help="auto (default, or $LLMTRACE_MODEL), embedded, tinyllama, "
@@ -44,7 +44,7 @@ def parse_args(argv):
                    help="instead of the trace table, the logit lens: the top token after every "
                         "layer at every position, and the greedy token's p at the last position")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--version", action="version", version=f"llmtrace {__version__}")
+    p.add_argument("--version", action="version", version=f"llmtrace-book {__version__}")
     return p.parse_args(argv)
 
 
@@ -273,7 +273,7 @@ def fail(message: str, status: int = 2) -> int:
 
 
 def main(argv=None) -> int:
-    if hasattr(signal, "SIGPIPE"):  # `python -m llmtrace ... | head` ends quietly, as other CLIs do
+    if hasattr(signal, "SIGPIPE"):  # `python -m llmtrace_book ... | head` ends quietly, as other CLIs do
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)

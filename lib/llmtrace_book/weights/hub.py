@@ -14,7 +14,7 @@ REPOS = ("TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
 
 def fetch_command() -> str:
     """`make tinyllama` in the checkout, the Python command elsewhere."""
-    return command("tinyllama", "llmtrace.weights.hub")
+    return command("tinyllama", "llmtrace_book.weights.hub")
 
 
 def _hf_cache_dirs() -> list[Path]:

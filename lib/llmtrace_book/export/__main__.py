@@ -1,4 +1,4 @@
-"""`python -m llmtrace.export [--out DIR]`: the command, `cli.main`."""
+"""`python -m llmtrace_book.export [--out DIR]`: the command, `cli.main`."""
 
 import sys
 

@@ -6,7 +6,7 @@ graph cut into chunks of at most CHUNK_BYTES (`split`). `verify` checks them as 
 before it runs anything, and `session` opens a graph on them as the page does: the chunks joined
 in memory and handed over under the data file's one name.
 
-The lowest module of `llmtrace.export`: the names here (files, the graphs' input and logits) are
+The lowest module of `llmtrace_book.export`: the names here (files, the graphs' input and logits) are
 the ones every other module writes or reads.
 """
 
@@ -96,8 +96,8 @@ def verify(d: Path, manifest: str = MANIFEST) -> dict:
         files = listed_files(web)
     except (OSError, ValueError, KeyError, TypeError):
         raise LlmTraceError(f"{d / manifest} is missing or unreadable: "
-                            f"make it again with python -m llmtrace.export --rebuild") from None
-    again = "make the export again (python -m llmtrace.export --rebuild)"
+                            f"make it again with python -m llmtrace_book.export --rebuild") from None
+    again = "make the export again (python -m llmtrace_book.export --rebuild)"
     for f in files:
         path = d / f["file"]
         if not path.is_file():

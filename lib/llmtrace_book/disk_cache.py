@@ -32,7 +32,7 @@ STALE_SECONDS = 24 * 3600  # a temporary whose pid says nothing (another machine
 
 
 def checkout() -> Path | None:
-    """The book's checkout this library runs from, if any (lib/llmtrace/disk_cache.py -> the root)."""
+    """The book's checkout this library runs from, if any (lib/llmtrace_book/disk_cache.py -> the root)."""
     root = Path(__file__).resolve().parents[2]
     return root if (root / "_toc.yml").is_file() and (root / "Makefile").is_file() else None
 

@@ -348,7 +348,7 @@ def export_lens(model: Model, d: Path, quantized: bool) -> dict[str, dict]:
 
 def _relative_sources(graph) -> None:
     """Each node keeps the source lines that made it (the exporter's stack trace), named from
-    the package (`llmtrace/model.py`), not from this machine's checkout or environment."""
+    the package (`llmtrace_book/model.py`), not from this machine's checkout or environment."""
     import sysconfig
 
     roots = [f"{Path(__file__).resolve().parents[2]}/", f"{sysconfig.get_path('purelib')}/"]

@@ -1,4 +1,4 @@
-"""`python -m llmtrace.export [--out DIR]`: makes the page's files (or finds them made in the
+"""`python -m llmtrace_book.export [--out DIR]`: makes the page's files (or finds them made in the
 cache) and prints where they are; with --out, also places them there. Errors are one line, exit
 status 2.
 """
@@ -21,13 +21,13 @@ DESCRIPTION = ("The forward pass exported to ONNX, for the page that runs it in 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse prints usage and exits; here: one line, exit status 2
-        raise LlmTraceError(f"{message}: see python -m llmtrace.export --help")
+        raise LlmTraceError(f"{message}: see python -m llmtrace_book.export --help")
 
 
 def main(argv=None) -> int:
     from ..disk_cache import cache_dir
 
-    p = _Parser(prog="python -m llmtrace.export", description=DESCRIPTION)
+    p = _Parser(prog="python -m llmtrace_book.export", description=DESCRIPTION)
     p.add_argument("--out", default=None,
                    help="also put the page's files into this directory (hard links if possible; "
                         "outside the cache; an earlier export there is replaced)")

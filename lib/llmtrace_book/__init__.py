@@ -1,7 +1,7 @@
 """llmtrace: a Llama forward pass that records the shape, dtype, cost and value of every
 operation."""
 
-# The one place that names the version: the wheel's metadata (lib/pyproject.toml), `llmtrace
+# The one place that names the version: the wheel's metadata (lib/pyproject.toml), `llmtrace-book
 # --version` and the book's footer (book/build_config.py) read it from this line
 __version__ = "0.1.0"
 

@@ -22,7 +22,7 @@ What the page loads, made once from the embedded model and kept in `$LLMTRACE_CA
 - `web.json` (and `web-fp32.json`), the page's manifest, written last: files, sizes, hashes, the
   records, the config, and how far onnxruntime's logits were from the trace's when it was made.
 
-`python -m llmtrace.export [--out DIR]` makes them (or finds them made) and prints where they are.
+`python -m llmtrace_book.export [--out DIR]` makes them (or finds them made) and prints where they are.
 
 The modules, each importing only the ones above it:
 - `manifest`: the files' names, their entries (size, SHA-256), the chunks, `verify`, `session`;

@@ -120,7 +120,7 @@ def shape_problems(v: dict, key=str) -> list[str]:
 # How a config.json is read and written and GGUF metadata read: in modules above this one, which
 # register their functions here as they are imported (families/: "from_hf" -> read_hf, "to_hf" ->
 # write_hf; weights/gguf.py: "from_gguf" -> config_fields), so that this module imports nothing
-# above it. llmtrace/__init__.py imports both, so `Config.from_hf`, `to_hf` and `from_gguf` work
+# above it. llmtrace_book/__init__.py imports both, so `Config.from_hf`, `to_hf` and `from_gguf` work
 # after any import of the package.
 FORMATS: dict = {}
 
