@@ -335,19 +335,34 @@ def use_book_style() -> None:
 
 def start_chapter(stage: str | list[str] | None = None, name: str | None = None,
                   decode_stage: str | list[str] | None = None) -> tuple[Model, Trace]:
-    """Load the model in force (LLMTRACE_MODEL, default auto), show the one-line banner and, when
-    `stage` names this chapter's operations (globs such as "attn.*" or "embed"), the TinyLlama
-    card beneath it, unless TinyLlama itself runs; `decode_stage` adds the records of its first
-    decode step. Returns (model, TinyLlama's prefill shape trace)."""
-    from IPython.display import HTML, display
-
+    """Load the model in force (LLMTRACE_MODEL, default auto) and show the one-line banner.
+    `stage` names this chapter's operations (globs such as "attn.*" or "embed"), for the
+    TinyLlama card that `tinyllama_card` shows where the chapter places it; `decode_stage` adds
+    the records of its first decode step. Returns (model, TinyLlama's prefill shape trace)."""
     use_book_style()
     model = load_model(resolve(name))
     say(banner_text(model))
     prefill, decode = tinyllama_walk()
-    if stage is not None and not runs(model, TINYLLAMA):
-        display(HTML(tinyllama_card_html(stage, prefill, decode, decode_stage, model)))
+    _chapter.update(stage=stage, decode_stage=decode_stage, model=model, prefill=prefill,
+                    decode=decode)
     return model, prefill
+
+
+_chapter: dict = {}  # what start_chapter was given and made, for the card
+
+
+def tinyllama_card() -> None:
+    """The TinyLlama card of the stage `start_chapter` was given: one folded line, where the
+    chapter puts it (beside its real tensor, or before its summary). Nothing when TinyLlama
+    itself runs: the chapter's own records are then TinyLlama's."""
+    from IPython.display import HTML, display
+
+    c = _chapter
+    if c.get("stage") is None:
+        raise ValueError("tinyllama_card: call start_chapter(stage=...) first")
+    if not runs(c["model"], TINYLLAMA):
+        display(HTML(tinyllama_card_html(c["stage"], c["prefill"], c["decode"],
+                                         c["decode_stage"], c["model"])))
 
 
 # --- interactive figures -------------------------------------------------------------------------

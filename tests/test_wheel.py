@@ -62,7 +62,7 @@ def dist(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def wheel(dist) -> Path:
-    return dist / f"llmtrace-{VERSION}-py3-none-any.whl"
+    return dist / f"llmtrace_book-{VERSION}-py3-none-any.whl"
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def metadata(wheel: Path):
 
 def test_build_makes_an_sdist_and_a_wheel_of_this_version(dist):
     assert sorted(p.name for p in dist.iterdir()) == [
-        f"llmtrace-{VERSION}-py3-none-any.whl", f"llmtrace-{VERSION}.tar.gz"]
+        f"llmtrace_book-{VERSION}-py3-none-any.whl", f"llmtrace_book-{VERSION}.tar.gz"]
 
 
 def test_the_wheels_metadata(wheel):
@@ -111,8 +111,8 @@ def test_the_licence_files_are_the_checkouts(dist, wheel):
         for name in ("LICENSE", "NOTICE"):
             text = z.read(f"llmtrace_book-{VERSION}.dist-info/licenses/{name}").decode()
             assert text == (ROOT / name).read_text()
-    with tarfile.open(dist / f"llmtrace-{VERSION}.tar.gz") as t:
-        member = t.getmember(f"llmtrace-{VERSION}/LICENSE")
+    with tarfile.open(dist / f"llmtrace_book-{VERSION}.tar.gz") as t:
+        member = t.getmember(f"llmtrace_book-{VERSION}/LICENSE")
         assert member.isfile()  # the symlink lib/LICENSE, carried as the file itself
         assert t.extractfile(member).read().decode() == (ROOT / "LICENSE").read_text()
 
@@ -150,7 +150,7 @@ def test_the_installed_package_is_the_library_alone(venv):
     files = r.stdout.split()
     dist_info = f"llmtrace_book-{VERSION}.dist-info/"
     outside = [f for f in files if not f.startswith(("llmtrace_book/", dist_info))]
-    assert outside == ["../../../bin/llmtrace"]  # the console script, and nothing else
+    assert outside == ["../../../bin/llmtrace-book"]  # the console script, and nothing else
     for f in files:
         name = Path(f).name
         assert not (name.startswith("test_") or name in ("conftest.py", "_toc.yml", "_config.yml")
