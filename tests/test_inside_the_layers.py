@@ -9,7 +9,9 @@ and against llmtrace's own patches.
 - that head noised (the corrupted run's output written in: m, and the answer flips), ablated
   (zero, mean, resample), patched into every ordered pair of two prompts, and the other heads of
   its layer patched together;
-- its attention pattern and its values, each patched alone, and a uniform pattern in its place;
+- its attention pattern and its values, each patched alone; a uniform pattern in its place, and
+  the country's weight moved to the first token;
+- the head fed values computed from the stream entering each earlier layer, its pattern kept;
 - per-sublayer tracing at the country's position (each MLP and attention output alone, MLP 0 both
   ways, the later MLPs together), with HF's module outputs replaced by forward hooks;
 - the head's change sent to one receiver at a time (HF's norms before the MLPs, the attention, the
@@ -410,7 +412,50 @@ def test_the_heads_pattern_against_its_values_as_the_chapter_says(
 
     # a uniform pattern over every key, in the clean runs: the values' mean
     m = m_of(with_head(hf, ids, layer, head, hd, v.mean(1)), a, b)
-    assert_ci((m_clean - m) / (m_clean - m_corr), ci_said("in the clean run: removes", text))
+    assert_ci((m_clean - m) / (m_clean - m_corr), ci_said("keys, in the clean run: removes", text))
+
+    # the country's weight moved to the first token, in the clean runs
+    moved = pattern.clone()
+    moved[:, 0] += moved[:, start]
+    moved[:, start] = 0
+    lg = with_head(hf, ids, layer, head, hd, (moved[:, None] @ v)[:, 0])
+    assert_ci((m_clean - m_of(lg, a, b)) / (m_clean - m_corr),
+              ci_said("the first token, in the clean run: removes", text))
+    (said_right,) = number(r"the first token, in the clean run: removes .*?,\n(\d+) of", text)
+    assert int((lg.argmax(-1) == a).sum()) == said_right
+
+
+def test_the_head_fed_values_from_earlier_streams_as_the_chapter_says(
+        embedded, hf_reference, pairs, chapter, clean_runs):
+    """The head's values computed from the stream entering layer k (HF's hidden states, through
+    the head's layer's input norm and v_proj), its clean pattern kept: m and the share kept."""
+    ids, a, b, _, _ = pairs
+    _, m_clean, m_corr = clean_runs
+    _, text = chapter
+    c = embedded.config
+    hf, hd = hf_reference, c.head_dim
+    layer, head = key_head(text)
+    attn = hf.model.layers[layer].self_attn
+    seen = {}
+    with Hooks() as hooks:
+        hooks.handles.append(attn.register_forward_hook(
+            lambda mod, args, out: seen.__setitem__("weights", out[1])))
+        with torch.no_grad():
+            hidden = hf(ids, output_hidden_states=True).hidden_states  # entering each layer
+    pattern = seen["weights"][:, head, -1]  # [N, T]
+    kv = head // c.n_rep
+    table = re.search(r"values computed from the stream entering layer k.*?\n(.*?)\n\n",
+                      text, re.S).group(1)
+    rows = re.findall(r"^\s+(\d+)\s+(-?[\d.]+)\s+(-?[\d.]+) \(95% CI (-?[\d.]+) to "
+                      r"(-?[\d.]+)\)$", table, re.M)
+    assert len(rows) >= 4 and int(rows[-1][0]) == layer
+    for k, said_m, *said_kept in rows:
+        with torch.no_grad():
+            v = attn.v_proj(hf.model.layers[layer].input_layernorm(hidden[int(k)]))
+        v = v.view(*ids.shape, c.n_kv_heads, hd)[:, :, kv]  # [N, T, hd]
+        m = m_of(with_head(hf, ids, layer, head, hd, (pattern[:, None] @ v)[:, 0]), a, b)
+        assert abs(m.mean() - float(said_m)) < 0.006, (k, float(m.mean()), said_m)
+        assert_ci(normalized(m, m_clean, m_corr), tuple(map(float, said_kept)))
 
 
 def replace_at(module, pos, values, rows=None):
