@@ -122,7 +122,91 @@ def test_the_map_is_compact_by_default_once_a_stage_is_lit(tiny_trace):
     def height_pt(svg):
         return float(re.search(r"<svg[^>]* height=\"([\d.]+)pt\"", svg).group(1))
 
-    full, stage = machine_map(tiny_trace).data, machine_map(tiny_trace, "mlp.*").data
+    full, stage = machine_map(tiny_trace, compact=False).data, machine_map(tiny_trace, "mlp.*").data
     assert "one block (layer 0 of 22)" in full and "one block of 22, folded" in stage
     assert height_pt(stage) < 250 < 4 * 250 < height_pt(full)
     assert "one block (layer 0 of 22)" in machine_map(tiny_trace, "mlp.*", compact=False).data
+    assert "× 22 blocks" in machine_map(tiny_trace).data  # no stage: the map by stages
+
+
+# The map by stages: what the first chapter shows, one screen high, the operations on hover.
+
+def _svg_size_px(svg):
+    w, h = re.search(r'<svg[^>]* width="([\d.]+)pt" height="([\d.]+)pt"', svg).groups()
+    return float(w) * 4 / 3, float(h) * 4 / 3  # CSS: 1 pt = 4/3 px
+
+
+def _titles(svg):
+    import html
+
+    return [html.unescape(t) for t in re.findall(r"<title>([^<]*)</title>", svg)]
+
+
+def test_the_map_by_stages_names_the_stages_a_reader_knows(tiny_trace):
+    from llmtrace_book.diagram import stage_dot
+
+    dot = stage_dot(tiny_trace)
+    pass_ = re.findall(r'"p\.\w+" \[label=<?"?([^<"]+)', dot)
+    assert pass_ == ["text", "tokens", "embedding", "final RMSNorm", "LM head",
+                     "logits, last position", "sample", "next token"]
+    block = re.findall(r'"b\.\w+" \[label="([^"]+)"', dot)
+    assert block == ["RMSNorm", "attention", "+", "RMSNorm", "FFN", "+"]
+    assert "× 22 blocks: the same in shape, each with its own weights" in dot
+    assert "[1, 6, 2048] in and out" in dot and "[1, 6, 32000]" in dot  # the trace's shapes
+    assert "attn_norm.mean_sq" not in dot.split("tooltip")[0]  # no trace names on the nodes
+
+
+def test_the_map_by_stages_fits_one_screen_and_the_column(tiny_trace):
+    """At a 1280 px window the book's column is about 820 px wide (book.COLUMN_INCHES at 100
+    dpi): the map is drawn narrower than that, so it is shown at its own size, under 700 px."""
+    assert shutil.which("dot"), "Graphviz is not installed: run `make graphviz`"
+    from llmtrace_book.diagram import machine_map
+
+    width, height = _svg_size_px(machine_map(tiny_trace).data)
+    assert width <= 820 and height <= 700, (width, height)
+
+
+@pytest.mark.parametrize("f", list(ROWS))
+def test_every_record_is_in_one_stage_of_the_map_by_stages(f):
+    """Every record of the pass and of layer 0, whatever the family records, in one stage."""
+    from llmtrace_book.diagram import stage_groups
+
+    trace = family_trace(f)
+    outer, block = stage_groups(trace)
+    held = [r.name for _, _, records in outer + block for r in records]
+    assert len(held) == len(set(held))
+    assert set(held) == {r.name for r in trace if not r.name.startswith("layers.")} | \
+        {r.name for r in trace.layer(0)}
+    stages = {k: [r.name for r in records] for k, _, records in outer + block}
+    assert stages["tokens"] == ["tokens"] and stages["resid_mid"] == ["layers.0.resid_mid"]
+    assert all(n.startswith(("layers.0.attn.", "layers.0.attn_")) for n in stages["attn"])
+    assert "layers.0.mlp_norm.mean_sq" not in stages["resid_mid"]  # with its norm
+
+
+def test_hovering_a_stage_names_its_operations(tiny_trace):
+    """In the page's HTML each stage's SVG <title> (what a browser shows on hover) lists its
+    records, with their operations and shapes: every operation of the trace is named there."""
+    assert shutil.which("dot"), "Graphviz is not installed: run `make graphviz`"
+    from llmtrace_book.diagram import machine_map
+
+    svg = machine_map(tiny_trace).data
+    lines = [line for t in _titles(svg) for line in t.split("\n")]
+    named = {line.split(": ", 1)[0] for line in lines}
+    assert {r.name for r in tiny_trace if not r.name.startswith("layers.")} <= named
+    assert {r.name for r in tiny_trace.layer(0)} <= named
+    assert "layers.0.attn.scores: q @ k^T / sqrt(64) [1, 32, 6, 6]" in lines
+    assert not [t for t in _titles(svg) if re.match(r"[pb]\.[\w.]+->", t)]  # no DOT names
+
+
+def test_the_full_map_folded_holds_every_operation(tiny_trace):
+    """Under the map by stages, the full map in a folded box: every record of layer 0 a node,
+    named, its operation on hover."""
+    assert shutil.which("dot"), "Graphviz is not installed: run `make graphviz`"
+    from llmtrace_book.diagram import machine_map
+
+    html = machine_map(tiny_trace, compact=False, folded="every operation").data
+    assert html.startswith("<details><summary>every operation</summary><svg")
+    assert html.endswith("</svg></details>")
+    texts = set(re.findall(r"<text[^>]*>([^<]*)</text>", html))
+    assert {r.name.split(".", 2)[2] for r in tiny_trace.layer(0)} <= texts
+    assert "layers.0.mlp.gate: x @ W_gate^T [1, 6, 5632]" in _titles(html)

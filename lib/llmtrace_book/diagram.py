@@ -1,5 +1,7 @@
-"""A map of the machine, drawn from a trace: the whole forward pass beside one block, every edge
-labelled with the shape of the tensor that flows along it, and the chapter's own stage lit up.
+"""A map of the machine, drawn from a trace. Three drawings: the map by stages (`stage_dot`), a
+screen high, each stage's operations named on hover; the full map (`machine_dot`), the whole
+forward pass beside one block with every operation and every edge labelled with the shape of the
+tensor that flows along it; and the compact map (`compact_dot`), a chapter's own stage lit up.
 
 The map is Graphviz's DOT text built from the trace's records, so its shapes are the trace's
 shapes: from TinyLlama's meta-device trace they are TinyLlama's, exactly. `dot` (Debian's or any
@@ -165,7 +167,9 @@ def machine_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
     nodes = list(dict.fromkeys(n for edge in edges for n in edge))  # in data-flow order
     for n in nodes:
         label = "block input x" if n == "x" else n
-        out.append(f'    "b.{n}" [label="{label}" {LIT if _lit(n, highlight) else PLAIN}];')
+        tip = "the block's input" if n == "x" else _tip([trace.get(f"layers.0.{n}")])
+        out.append(f'    "b.{n}" [label="{label}" {LIT if _lit(n, highlight) else PLAIN} '
+                   f'tooltip="{tip}"];')
     for a, b in edges:
         src = _block_input(trace) if a == "x" else f"layers.0.{a}"
         style = ' style="dashed"' if (a, b) in RESIDUAL else ""
@@ -262,6 +266,116 @@ def compact_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
     return "\n".join(out)
 
 
+# The map by stages: the names a reader of the first chapter has met, one row for the block.
+STAGES = [  # (key, label): the pass, around the blocks (between embed and final_norm)
+    ("prompt", "text"), ("tokens", "tokens"), ("embed", "embedding"),
+    ("final_norm", "final RMSNorm"), ("lm_head", "LM head"), ("last", "logits, last position"),
+    ("sample", "sample"), ("token", "next token"),
+]
+BLOCK_STAGES = [("attn_norm", "RMSNorm"), ("attn", "attention"), ("resid_mid", "+"),
+                ("mlp_norm", "RMSNorm"), ("mlp", "FFN"), ("resid_out", "+")]
+STAGE_TIPS = {
+    "prompt": "the prompt, a string",
+    "last": "the logits of the last position: the scores of the token that comes next",
+    "sample": "pick one id from the last position's probabilities (chapter 10)",
+    "token": "the next token, appended to the text; the model then runs again (chapter 11)",
+    "x": "x, the block's input: the embedding for block 0, then each block's output",
+    "residual": "the residual connection: the input is added to what the half computed",
+}
+
+
+def _stage_of(name: str, keys: list[str]) -> str | None:
+    """The stage whose key is the name or the start of it (the norms before the rest)."""
+    for key in sorted(keys, key=len, reverse=True):
+        if name == key or name.startswith(key + ".") or \
+                key in ("attn", "mlp") and name.startswith(key):
+            return key
+    return None
+
+
+def stage_groups(trace) -> tuple[list, list]:
+    """The records of each stage of the map by stages: (key, label, records) for the whole pass
+    (the prompt, the sampling and the next token hold none) and for one block, layer 0's. A
+    record whose name starts no stage's (Gemma 4's per-layer embeddings) joins the stage of the
+    record before it, so every record of the pass and of layer 0 is in exactly one stage."""
+    outer = [r for r in trace if not r.name.startswith("layers.")]
+    inner = trace.layer(0)
+    if not inner:
+        raise LlmTraceError("the trace holds no layers: map a forward pass's trace (model.run)")
+    groups = []
+    for records, stages, cut in ((outer, STAGES, 0), (inner, BLOCK_STAGES, len("layers.0."))):
+        keys = [k for k, _ in stages]
+        held: dict[str, list] = {k: [] for k in keys}
+        last = keys[1]  # tokens; attention (a record before any named one)
+        for r in records:
+            last = _stage_of(r.name[cut:], keys) or last
+            held[last].append(r)
+        groups.append([(k, text, held[k]) for k, text in stages])
+    block = [g for g in groups[1] if g[2] or g[0] not in ("attn_norm", "mlp_norm")]
+    return groups[0], block  # OLMo 2: no norm before each half
+
+
+def _tip(records) -> str:
+    """A tooltip: each record's name, operation and shape, one a line."""
+    return "\\n".join(_dot_text(f"{r.name}: {r.op} {_fmt_shape(r.shape)}") for r in records)
+
+
+def _two_lines(text: str, small: str) -> str:
+    """An HTML-like DOT label: the stage's name over its output's shape, in small type."""
+    import html
+
+    return (f'<{html.escape(text)}<BR/><FONT FACE="Courier" POINT-SIZE="9" COLOR="#37474f">'
+            f'{html.escape(small)}</FONT>>')
+
+
+def stage_dot(trace, title: str = "") -> str:
+    """DOT text of the map by stages, a screen high: the pass top to bottom, the block as one row
+    of its stages (RMSNorm, attention, +, RMSNorm, FFN, +) with the residual connections dashed,
+    each stage of the pass over the shape it hands on. Each node's tooltip lists the records it
+    holds (`stage_groups`), which `machine_map` makes its SVG <title>, shown on hover."""
+    outer, block = stage_groups(trace)
+    L = len({int(r.name.split(".")[1]) for r in trace if r.name.startswith("layers.")})
+    V = trace.shape("lm_head")[-1]
+    stream = _fmt_shape(trace.shape(f"layers.{L - 1}.resid_out"))
+    small = {"tokens": "tokens", "embed": "embed", "final_norm": "final_norm",
+             "lm_head": "lm_head"}
+    out = [f'digraph machine {{ tooltip="{_dot_text("the machine, by stages: hover a stage")}";',
+           '  rankdir=TB; nodesep=0.25; ranksep=0.3;',
+           '  node [shape=box fontname="Helvetica" fontsize=11 margin="0.1,0.03" height=0.3 '
+           f'{PLAIN}];',
+           '  edge [color="#616161" arrowsize=0.7];']
+    if title:
+        out.append(f'  label="{_dot_text(title)}"; labelloc=t; fontname="Helvetica"; fontsize=13;')
+    for key, text, records in outer:
+        shape = (_fmt_shape(trace.shape(small[key])) if key in small else
+                 f"[{V}]" if key == "last" else "one id" if key == "sample" else "")
+        label = _two_lines(text, shape) if shape else f'"{text}"'
+        tip = _tip(records) if records else _dot_text(STAGE_TIPS[key])
+        out.append(f'  "p.{key}" [label={label} tooltip="{tip}"];')
+    tip = f"{L} blocks, one after the other: hover a stage for block 0's operations"
+    label = f"× {L} blocks: the same in shape, each with its own weights; {stream} in and out"
+    out.append(f'  subgraph cluster_block {{ label="{label}"; fontname="Helvetica"; fontsize=10; '
+               f'color="#9e9e9e"; labelloc=b; tooltip="{_dot_text(tip)}";')
+    out.append(f'    "b.x" [shape=point width=0.06 label="" tooltip="{STAGE_TIPS["x"]}"];')
+    for key, text, records in block:
+        circle = ' shape=circle width=0.25 margin=0' if text == "+" else ""
+        out.append(f'    "b.{key}" [label="{text}"{circle} tooltip="{_tip(records)}"];')
+    out.append('    {rank=same; "b.x"; ' + " ".join(f'"b.{k}";' for k, _, _ in block) + '}')
+    row = ["x"] + [k for k, _, _ in block]
+    for a, b in zip(row, row[1:]):
+        out.append(f'    "b.{a}" -> "b.{b}"{" [arrowhead=none]" * (a == "x")};')
+    for a, b in (("x", "resid_mid"), ("resid_mid", "resid_out")):
+        out.append(f'    "b.{a}" -> "b.{b}" [style=dashed tooltip="{STAGE_TIPS["residual"]}"];')
+    out.append('  }')
+    chain = ["p.prompt", "p.tokens", "p.embed", "b.x", "b.resid_out", "p.final_norm",
+             "p.lm_head", "p.last", "p.sample", "p.token"]
+    for a, b in zip(chain, chain[1:]):
+        if (a, b) != ("b.x", "b.resid_out"):
+            out.append(f'  "{a}" -> "{b}"{" [arrowhead=none]" * (b == "b.x")};')
+    out.append('}')
+    return "\n".join(out)
+
+
 def render_svg(dot: str) -> str:
     """SVG text from DOT text, with Graphviz's `dot`."""
     exe = shutil.which("dot")
@@ -275,14 +389,36 @@ def render_svg(dot: str) -> str:
     return r.stdout[r.stdout.index("<svg"):]  # drop the XML prolog and doctype
 
 
-def machine_map(trace, highlight: str | list[str] = (), title: str = "",
-                compact: bool | None = None):
-    """The map as an IPython SVG object, for a notebook cell. `compact` folds it into a few
-    lines (`compact_dot`); by default the map is compact when a stage is lit, so the first chapter
-    shows the whole machine and the others say where they are in it."""
-    from IPython.display import SVG
+def _inline(svg: str, prefix: str) -> str:
+    """SVG text to put inside the page's HTML, where hovering shows a node's <title>: each
+    node's, edge's and cluster's title is its tooltip (Graphviz titles them by their DOT names,
+    and an edge without a tooltip has none), its ids are prefixed (two maps on a page), and it
+    shrinks to the column if it is wider."""
+    import re
 
-    if compact is None:
-        compact = bool(highlight)
-    draw = compact_dot if compact else machine_dot
-    return SVG(render_svg(draw(trace, highlight, title)))
+    svg = re.sub(r'<title>[^<]*</title>(\s*<g id="a_[^"]*"><a xlink:title="([^"]*)">)',
+                 r"<title>\2</title>\1", svg)
+    svg = re.sub(r'(class="edge">\s*)<title>[^<]*</title>(?!\s*<g id="a_)', r"\1", svg)
+    svg = svg.replace(' id="', f' id="{prefix}-')
+    return svg.strip().replace("<svg ", '<svg style="max-width: 100%; height: auto" ', 1)
+
+
+def machine_map(trace, highlight: str | list[str] = (), title: str = "",
+                compact: bool | None = None, folded: str = ""):
+    """The map for a notebook cell. With a stage lit, the compact map (`compact_dot`), an SVG
+    image: the stage chapters say where they are in the machine. With none, the map by stages
+    (`stage_dot`), put into the page's HTML so that hovering a stage names its operations.
+    `compact=False` draws the full map (`machine_dot`), every operation of one block; `folded`
+    puts the map in a folded box (HTML `<details>`) under that one line."""
+    from IPython.display import HTML, SVG
+
+    if compact is None and not highlight and not folded:
+        return HTML(_inline(render_svg(stage_dot(trace, title)), "stages"))
+    draw = compact_dot if (bool(highlight) if compact is None else compact) else machine_dot
+    svg = render_svg(draw(trace, highlight, title))
+    if not folded:
+        return SVG(svg)
+    import html
+
+    return HTML(f"<details><summary>{html.escape(folded)}</summary>"
+                f"{_inline(svg, 'full')}</details>")
