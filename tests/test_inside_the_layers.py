@@ -444,7 +444,7 @@ def test_the_head_fed_values_from_earlier_streams_as_the_chapter_says(
             hidden = hf(ids, output_hidden_states=True).hidden_states  # entering each layer
     pattern = seen["weights"][:, head, -1]  # [N, T]
     kv = head // c.n_rep
-    table = re.search(r"values computed from the stream entering layer k.*?\n(.*?)\n\n",
+    table = re.search(r"entering layer k, in the clean run.*?\n(.*?)\n\n",
                       text, re.S).group(1)
     rows = re.findall(r"^\s+(\d+)\s+(-?[\d.]+)\s+(-?[\d.]+) \(95% CI (-?[\d.]+) to "
                       r"(-?[\d.]+)\)$", table, re.M)
@@ -663,3 +663,73 @@ def test_the_massive_activations_control_as_the_chapter_says(
     (said_moved,) = number(r"in a random direction, \d+ draws x \d+ prompts: (\d+)% right", text)
     assert round(float(moved) * 100) == said_moved
     assert abs(float(((theirs - own) / own).abs().max()) * 100 - said_gap) < 0.051
+
+
+def test_what_builds_the_heads_pattern_as_the_chapter_says(
+        embedded, hf_reference, pairs, chapter, clean_runs):
+    """Path patching into the key head's query and key: each group of components the chapter
+    lists (every attention output, every MLP output, a third of the layers before the head's)
+    taken out of the stream that HF's q_proj reads at the last position, or k_proj at the
+    country, the input norm recomputed, everything else as it was; the head's weight on the
+    country, read from HF's attention weights."""
+    ids, _, _, _, _ = pairs
+    seen, _, _ = clean_runs
+    _, text = chapter
+    c = embedded.config
+    hf, hd = hf_reference, c.head_dim
+    layer, head = key_head(text)
+    N, T = ids.shape
+    start = int((ids != ids[0]).any(0).nonzero()[0])
+    layers = hf.model.layers
+    mlp_out = {}
+    with Hooks() as hooks:
+        for l in range(layer):
+            hooks.capture(layers[l].mlp, mlp_out, l, output=True)
+        hf_logits(hf, ids)
+    with torch.no_grad():
+        embed = hf.model.embed_tokens(ids)
+    parts = {"embed": embed} | {f"{l}.attn": seen[("out", l)] for l in range(layer)} | {
+        f"{l}.mlp": mlp_out[l] for l in range(layer)}  # each [N, T, D]
+    x_in = seen[("in", layer)]  # [N, T, D]: the stream entering the head's layer
+    assert torch.allclose(sum(parts.values()), x_in, atol=1e-3)  # the stream is their sum
+    attn = layers[layer].self_attn
+
+    def weight_on_country(side, removed):  # removed [N, D] at the side's position
+        proj, pos, cols = ((attn.q_proj, T - 1, slice(head * hd, (head + 1) * hd))
+                           if side == "query" else
+                           (attn.k_proj, start, slice(head // c.n_rep * hd,
+                                                      (head // c.n_rep + 1) * hd)))
+        with torch.no_grad():
+            new = proj(layers[layer].input_layernorm(x_in[:, pos] - removed))[:, cols]
+
+        def put(mod, args, out):
+            out = out.clone()
+            out[:, pos, cols] = new
+            return out
+        got = {}
+        with Hooks() as hooks:
+            hooks.handles.append(proj.register_forward_hook(put))
+            hooks.handles.append(attn.register_forward_hook(
+                lambda mod, args, out: got.__setitem__("w", out[1])))
+            hf_logits(hf, ids)
+        return got["w"][:, head, -1, start].mean()
+
+    for side, none, together, more in re.findall(
+            r"from its (query|key) with this taken out \(none: ([\d.]+)\)\n.*\n  together: (.*)\n"
+            r"\s+(layers .*)",
+            text):
+        assert abs(weight_on_country(side, torch.zeros_like(x_in[:, 0])) - float(none)) < 0.006
+        listed = dict(item.rsplit(" ", 1) for item in (together + " " + more).split(", "))
+        assert {"every attention", "every MLP"} <= set(listed), listed
+        for group, said in listed.items():
+            if group == "every attention":
+                names = [n for n in parts if n.endswith(".attn")]
+            elif group == "every MLP":
+                names = [n for n in parts if n.endswith(".mlp")]
+            else:
+                first, last = map(int, group.removeprefix("layers ").split("-"))
+                names = [n for n in parts
+                         if n != "embed" and first <= int(n.split(".")[0]) <= last]
+            removed = sum(parts[n][:, start if side == "key" else T - 1] for n in names)
+            got = float(weight_on_country(side, removed))
+            assert abs(got - float(said)) < 0.006, (side, group, got, said)

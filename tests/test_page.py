@@ -154,8 +154,8 @@ def test_the_pages_logit_lens_is_the_librarys(page, runs, clicked, embedded, pro
     """The first prompt's lens is the one Run computed (`clicked`); the second's, longer than
     the positions the lens shows, is asked for."""
     browser = page[0]
-    got = js(browser, "llmtrace_book.lens()" if prompt == clicked
-             else f"llmtrace.run({json.dumps(prompt)}).then(() => llmtrace_book.lens())")
+    got = js(browser, "llmtrace.lens()" if prompt == clicked
+             else f"llmtrace.run({json.dumps(prompt)}).then(() => llmtrace.lens())")
     _, trace = embedded.run(prompt)
     grid = lens_grid(embedded, trace)  # [L, T] each
     T, shown = grid.top_ids.shape[1], browser.js("llmtrace.info.lens.positions")

@@ -7,7 +7,7 @@
 //   await llmtrace.ready                      // the model loaded (a Promise)
 //   const r = await llmtrace.run("The capital of Germany is", {maxNewTokens: 5})
 //   r.top[0].piece, r.records.length, r.value("layers.3.attn.weights")
-//   await llmtrace_book.lens()                     // the last run's logit lens
+//   await llmtrace.lens()                     // the last run's logit lens
 //   llmtrace.waiting                          // requests the worker has yet to answer
 //
 // Every fault ends as one line on the page (and a rejected Promise with that line as message).
