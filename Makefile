@@ -189,3 +189,10 @@ $(BENCH_VENV)/.installed: requirements.txt requirements-bench.txt lib/pyproject.
 
 bench-peers: $(BENCH_VENV)/.installed
 	$(BENCH_VENV)/bin/python -m bench.peers
+
+# where the chapters' records live in TransformerLens and nnsight (bench/hook_names.py), found by
+# running the three on the same weights in the bench's venv: writes notebooks/data/hook_names.json,
+# which the interpretability chapter shows (committed: the book's venv has neither peer)
+.PHONY: hook-names
+hook-names: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python -m bench.hook_names

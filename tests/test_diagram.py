@@ -102,7 +102,7 @@ def test_compact_map_lights_the_steps_that_hold_the_stage(tiny_trace):
     dot = compact_dot(tiny_trace, "attn.*")
     assert _lit_nodes(dot) == {"b.qkv", "b.rope", "b.cache", "b.scores", "b.softmax", "b.mix",
                                "p.blocks"}
-    assert 'label="22 blocks"' in dot and "one block of 22, folded" in dot
+    assert 'label="22 blocks"' in dot and "one block of 22" in dot
 
 
 def test_compact_map_outside_the_block_shows_the_pass_only_with_its_shapes(tiny_trace):
@@ -123,7 +123,7 @@ def test_the_map_is_compact_by_default_once_a_stage_is_lit(tiny_trace):
         return float(re.search(r"<svg[^>]* height=\"([\d.]+)pt\"", svg).group(1))
 
     full, stage = machine_map(tiny_trace, compact=False).data, machine_map(tiny_trace, "mlp.*").data
-    assert "one block (layer 0 of 22)" in full and "one block of 22, folded" in stage
+    assert "one block (layer 0 of 22)" in full and "one block of 22" in stage
     assert height_pt(stage) < 250 < 4 * 250 < height_pt(full)
     assert "one block (layer 0 of 22)" in machine_map(tiny_trace, "mlp.*", compact=False).data
     assert "× 22 blocks" in machine_map(tiny_trace).data  # no stage: the map by stages
@@ -148,7 +148,7 @@ def test_the_map_by_stages_names_the_stages_a_reader_knows(tiny_trace):
     dot = stage_dot(tiny_trace)
     pass_ = re.findall(r'"p\.\w+" \[label=<?"?([^<"]+)', dot)
     assert pass_ == ["text", "tokens", "embedding", "final RMSNorm", "LM head",
-                     "logits, last position", "sample", "next token"]
+                     "last logits", "sample", "next token"]
     block = re.findall(r'"b\.\w+" \[label="([^"]+)"', dot)
     assert block == ["RMSNorm", "attention", "+", "RMSNorm", "FFN", "+"]
     assert "× 22 blocks: the same in shape, each with its own weights" in dot

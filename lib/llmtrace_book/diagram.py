@@ -109,13 +109,13 @@ def _block_input(trace) -> str:
 PASS = [
     ("prompt", "text", None),
     ("tokens", "token ids", "tokens"),
-    ("embed", "embedding lookup", "embed"),
+    ("embed", "embedding", "embed"),
     ("blocks", "{L} blocks", "layers.{last}.resid_out"),
     ("final_norm", "final RMSNorm", "final_norm"),
     ("lm_head", "LM head", "lm_head"),
-    ("last", "logits[0, -1]", None),
+    ("last", "last logits", None),
     ("sample", "temperature, top-k, top-p, draw", None),
-    ("token", "next token id", None),
+    ("token", "next token", None),
 ]
 
 LIT = 'style="filled,bold" fillcolor="#ffd54f" color="#e65100"'
@@ -219,8 +219,9 @@ def _steps(trace) -> tuple[list, list]:
     return tuple([step for step in part if step[2]] for part in steps)  # OLMo 2: no pre-norm
 
 
-SHORT_PASS = {"prompt": "text", "tokens": "tokens", "embed": "embed", "final_norm": "RMSNorm",
-              "lm_head": "LM head", "last": "logits[-1]", "sample": "sample", "token": "token"}
+SHORT_PASS = {"prompt": "text", "tokens": "tokens", "embed": "embedding",
+              "final_norm": "final RMSNorm", "lm_head": "LM head", "last": "last logits",
+              "sample": "sample", "token": "next token"}
 
 
 def compact_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
@@ -243,7 +244,7 @@ def compact_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
         out.append(f'  label="{_dot_text(title)}"; labelloc=t; fontname="Helvetica"; fontsize=13;')
     # the block first: Graphviz then puts the whole pass in the row beneath it
     if block_lit:
-        out.append(f'  subgraph cluster_block {{ label="one block of {L}, folded"; '
+        out.append(f'  subgraph cluster_block {{ label="one block of {L}"; '
                    'fontname="Helvetica"; fontsize=10; color="#bdbdbd";')
         for steps in (attn_steps, mlp_steps):
             for key, text, names in steps:
@@ -251,6 +252,13 @@ def compact_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
                 out.append(f'    "b.{key}" [label="{text}" {LIT if lit else PLAIN}];')
             out.append("    " + " -> ".join(f'"b.{key}"' for key, _, _ in steps) + ";")
         out.append(f'    "b.resid_mid" -> "b.{mlp_steps[0][0]}" [constraint=false];')
+        # the block's input, and the two skips that add it back (dashed)
+        keys = {key for steps in (attn_steps, mlp_steps) for key, _, _ in steps}
+        out.append('    "b.x" [shape=point width=0.06 label=""];')
+        out.append(f'    "b.x" -> "b.{attn_steps[0][0]}" [arrowhead=none];')
+        for a, b in (("x", "resid_mid"), ("resid_mid", "resid_out")):
+            if b in keys and (a == "x" or a in keys):
+                out.append(f'    "b.{a}" -> "b.{b}" [style=dashed constraint=false];')
         out.append('  }')
     out.append('  subgraph cluster_pass { label="the whole pass"; fontname="Helvetica"; '
                'fontsize=10; color="#bdbdbd";')
@@ -261,6 +269,9 @@ def compact_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
             label += "\\n" + _fmt_shape(trace.shape(rec))
         out.append(f'    "p.{key}" [label="{label}" {LIT if lit else PLAIN}];')
     out.append("    " + " -> ".join(f'"p.{key}"' for key, _, _ in PASS) + ";")
+    if _lit("token", highlight):  # the decode loop: the token goes back in
+        out.append('    "p.token" -> "p.tokens" [style=dashed constraint=false '
+                   'label=" appended: the next step"];')
     out.append('  }')
     out.append('}')
     return "\n".join(out)
@@ -269,7 +280,7 @@ def compact_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
 # The map by stages: the names a reader of the first chapter has met, one row for the block.
 STAGES = [  # (key, label): the pass, around the blocks (between embed and final_norm)
     ("prompt", "text"), ("tokens", "tokens"), ("embed", "embedding"),
-    ("final_norm", "final RMSNorm"), ("lm_head", "LM head"), ("last", "logits, last position"),
+    ("final_norm", "final RMSNorm"), ("lm_head", "LM head"), ("last", "last logits"),
     ("sample", "sample"), ("token", "next token"),
 ]
 BLOCK_STAGES = [("attn_norm", "RMSNorm"), ("attn", "attention"), ("resid_mid", "+"),
