@@ -18,7 +18,9 @@ and against llmtrace's own patches.
   logits take it on their input alone);
 - the head's OV circuit read through the unembedding, from HF's hidden states, and every head's;
 - the massive activation's controls (random dimensions zeroed; position 0 moved as far, in a
-  random direction) and how close the mean is.
+  random direction) and how close the mean is;
+- path patching into the head's query and key (what builds its pattern);
+- the key head across relations and templates (the table "Does it generalise?").
 """
 
 import ast
@@ -733,3 +735,68 @@ def test_what_builds_the_heads_pattern_as_the_chapter_says(
             removed = sum(parts[n][:, start if side == "key" else T - 1] for n in names)
             got = float(weight_on_country(side, removed))
             assert abs(got - float(said)) < 0.006, (side, group, got, said)
+
+
+def test_the_key_head_across_relations_as_the_chapter_says(embedded, hf_reference, chapter):
+    """The table "Does it generalise?": for each relation the chapter lists (its templates and
+    answers read from the chapter's source), the prompts HF answers right, each answer once,
+    paired with the next; then, with HF's o_proj input replaced at the last position, the
+    printed best layer's heads patched together from the clean run, its best head alone, and
+    that head's weight on the country from HF's attention weights."""
+    cells = json.loads(CHAPTER.read_text())["cells"]
+    src = next("".join(c["source"]) for c in cells if c.get("id") == "c14-gen")
+    capitals, text = chapter
+    tables = {"capitals": capitals}
+    for name in ("languages", "currencies"):
+        start = src.index(f"{name} = {{")
+        tables[name] = ast.literal_eval(src[start + len(name) + 3:src.index("}", start) + 1])
+    relations = re.findall(r'"([^"]+)": \("([^"]+)", (\w+)\)', src)
+    assert len(relations) == 4, relations
+    hf, c = hf_reference, embedded.config
+    H, hd = c.n_heads, c.head_dim
+    for row, template, table in relations:
+        said = re.search(rf"^{re.escape(row)} +(\d+) +(\d+) \(([\d.]+)\) +(\d+)\.(\d+) "
+                         rf"\(([\d.]+)\) +([\d.]+)$", text, re.M)
+        assert said, f"the chapter's table no longer has the row {row!r}"
+        n_said, layer, by_layer, l2, head, by_head, looks = said.groups()
+        layer, head = int(layer), int(head)
+        assert int(l2) == layer
+        answers = tables[table]
+        enc = {k: embedded.encode(template.replace("X", k)) for k in answers}
+        T = enc[next(iter(answers))].shape[1]
+        ok = [k for k in answers if enc[k].shape[1] == T]
+        ans = {k: int(embedded.encode(template.replace("X", k) + " " + answers[k])[0, T])
+               for k in ok}
+        top = hf_logits(hf, torch.cat([enc[k] for k in ok])).argmax(-1).tolist()
+        ok = [k for k, t in zip(ok, top) if t == ans[k]]
+        ok = [k for i, k in enumerate(ok) if ans[k] not in [ans[d] for d in ok[:i]]]
+        n = len(ok)
+        assert n == int(n_said), (row, ok)
+        ids = torch.cat([enc[k] for k in ok])
+        a = torch.tensor([ans[k] for k in ok])
+        b, corr = a.roll(-1), torch.arange(n).roll(-1)
+        z, got = {}, {}
+        o_proj = hf.model.layers[layer].self_attn.o_proj
+        with Hooks() as hooks:
+            hooks.capture(o_proj, z, "z")
+            hooks.handles.append(hf.model.layers[layer].self_attn.register_forward_hook(
+                lambda mod, args, out: got.__setitem__("w", out[1])))
+            logits = hf_logits(hf, ids)
+        m_clean, m_corr = m_of(logits, a, b), m_of(logits[corr], a, b)
+        clean_z = z["z"][:, -1]  # [n, H*hd]
+
+        def effect(cols):
+            def put(x):
+                x = x.clone()
+                x[:, -1, cols] = clean_z[:, cols]
+                return x
+            with Hooks() as hooks:
+                hooks.replace(o_proj, put)
+                m = m_of(hf_logits(hf, ids[corr]), a, b)
+            return float(normalized(m, m_clean, m_corr).mean())
+
+        assert abs(effect(slice(None)) - float(by_layer)) < 0.006, row
+        assert abs(effect(slice(head * hd, (head + 1) * hd)) - float(by_head)) < 0.006, row
+        country = int((ids != ids[0]).any(0).nonzero()[0])
+        weight = float(got["w"][:, head, -1, country].mean())
+        assert abs(weight - float(looks)) < 0.006, row
