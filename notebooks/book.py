@@ -93,7 +93,7 @@ def runs(model: Model, name: str = EMBEDDED) -> bool:
     return model.config.name == name
 
 
-# Config fields by which another family's stage differs from Llama 2's (chapter 16 shows each):
+# Config fields by which another family's stage differs from Llama 2's (chapter 17 shows each):
 # the families' switches, and Llama 3's RoPE scaling
 SWITCHES = (*FAMILY_SWITCHES, "rope_scaling")
 
@@ -123,7 +123,7 @@ def check_plain(model: Model, equal: bool, what: str, only=SWITCHES) -> None:
     verb = "changes" if len(names) == 1 else "change"
     say(f"{model.label} is not a plain Llama: {', '.join(f'`{n}`' for n in names)} {verb} "
         f"{what}, so the plain code above does not reproduce its trace here; "
-        "[chapter 16](16_todays_models.ipynb) shows each change.")
+        "[chapter 17](17_todays_models.ipynb) shows each change.")
 
 
 def measured_on() -> str:

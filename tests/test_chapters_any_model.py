@@ -27,7 +27,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 # the whole machine and attention, and the appendix on the families
-FAMILY_CHAPTERS = [p for p in NOTEBOOKS if p.stem[:2] in ("01", "06", "13", "16")]
+FAMILY_CHAPTERS = [p for p in NOTEBOOKS if p.stem[:2] in ("01", "06", "13", "17")]
 
 
 def execute(path, kernel):
@@ -75,7 +75,7 @@ def test_chapter_runs_on_a_tiny_gemma3_checkpoint(path, tiny_gemma3_dir, kernels
 
 
 def test_the_family_chapters_exist():
-    assert [p.stem[:2] for p in FAMILY_CHAPTERS] == ["01", "06", "13", "16"]
+    assert [p.stem[:2] for p in FAMILY_CHAPTERS] == ["01", "06", "13", "17"]
 
 
 def test_a_chapter_starts_from_an_empty_namespace(tmp_path, tiny_gemma3_dir, kernels):

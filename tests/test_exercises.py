@@ -125,7 +125,7 @@ def _editing(name):
 
 EDITABLE = [n for n in NAMES if n not in ("count_parameters", "bpe_merge", "future_mask",
                                           "sliding_window_mask", "decode_loop",
-                                          "kv_source_layers")]
+                                          "kv_source_layers", "patch_sweep")]
 
 
 @pytest.mark.parametrize("name", EDITABLE)
@@ -385,7 +385,8 @@ WRONG = {
                     (lambda q, k, s: q @ k.transpose(-2, -1) / s, "do not divide"),
                     (lambda q, k, s: k @ q.transpose(-2, -1) * s, "transposed")],
     "future_mask": [(lambda T: torch.full((T, T), INF).triu(0), "a mask off by one")],
-    "softmax": [(lambda s: torch.softmax(s, dim=-2), "softmax over the wrong axis")],
+    "softmax": [(lambda s: torch.softmax(s, dim=-2), "softmax over the wrong axis"),
+                (lambda s: s.exp() / s.exp().sum(-1, keepdim=True), "exp overflowed")],
     "expand_kv_heads": [(lambda k, n: k.repeat(1, n, 1, 1), "tiled")],
     "weighted_sum": [(lambda w, v: w.transpose(-2, -1) @ v, "transposed")],
     "attention_from_weights": [(attention_tiled, "CONSECUTIVE query heads"),
@@ -406,6 +407,12 @@ WRONG = {
     "forward_from_weights": [(forward_without_final_norm, "the final norm is missing")],
     "patch_country": [(lambda stream, other, pos: other.clone(), "only the country's position")],
     "head_logit_attribution": [(dla_own_rms, "freeze the final norm's divisor")],
+    "patch_sweep": [(lambda r, n, ps: torch.tensor([[r(l, p) for l in range(n)] for p in ps]),
+                     "rows are the layers")],
+    "qk_terms": [(lambda q, k, s: q @ k.T, "the attention's scale")],
+    "keep_only": [(lambda z, m, k: m.expand_as(z).clone(), "keep the listed heads")],
+    "induction_score": [(lambda w, R: w[..., torch.arange(R, 2 * R), torch.arange(0, R)]
+                         .mean((0, 2)), "came NEXT, i - R + 1")],
     "sliding_window_mask": [(window_sees_one_more, "off by one")],
     "sink_share": [(lambda scores, sinks: 1 - torch.softmax(scores, -1).sum(-1),
                     "one more column")],
@@ -413,7 +420,9 @@ WRONG = {
     "choose_experts": [(lambda logits, k: torch.topk(torch.softmax(logits, -1), k, -1)[::-1],
                         "renormalize")],
     "layers_without_rope": [(lambda acts, n: [i for i in range(n) if not torch.equal(
-        acts[f"layers.{i}.attn.rope_q"], acts[f"layers.{i}.attn.q"])], "RoPE turned")],
+        acts[f"layers.{i}.attn.rope_q"], acts[f"layers.{i}.attn.q"])], "RoPE turned"),
+                            (lambda acts, n: [i for i in range(n) if (i + 1) % 4 == 0],
+                             "not every fourth")],
     "rebuild_kv": [(lambda lat, kv_b, H, dn: tuple(reversed(rebuild_kv(lat, kv_b, H, dn))),
                     "its key part")],
     "kv_source_layers": [(lambda types, n: list(range(len(types))), "compute no K, V"),

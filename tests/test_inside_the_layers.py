@@ -20,7 +20,8 @@ and against llmtrace's own patches.
 - the massive activation's controls (random dimensions zeroed; position 0 moved as far, in a
   random direction) and how close the mean is;
 - path patching into the head's query and key (what builds its pattern);
-- the key head across relations and templates (the table "Does it generalise?").
+- the key head across relations and templates (the table "Does it generalise?");
+- attribution patching: gradients through HF's modules, times the runs' difference.
 """
 
 import ast
@@ -800,3 +801,112 @@ def test_the_key_head_across_relations_as_the_chapter_says(embedded, hf_referenc
         country = int((ids != ids[0]).any(0).nonzero()[0])
         weight = float(got["w"][:, head, -1, country].mean())
         assert abs(weight - float(looks)) < 0.006, row
+
+
+def test_attribution_patching_as_the_chapter_says(embedded, hf_reference, pairs, chapter,
+                                                   clean_runs):
+    """Attribution patching through HF: the corrupted prompts run with autograd, the gradient of
+    the pairs' m kept at each o_proj input (every head's output) and each layer's input (the
+    stream), times the clean run's value minus the corrupted one's, normalized."""
+    ids, a, b, corr, _ = pairs
+    seen, m_clean, m_corr = clean_runs
+    _, text = chapter
+    hf, c = hf_reference, embedded.config
+    H, hd, L = c.n_heads, c.head_dim, c.n_layers
+    layer, head = key_head(text)
+    N, T = ids.shape
+    start = int((ids != ids[0]).any(0).nonzero()[0])
+    kept = {}
+
+    def keep(key):
+        def hook(mod, args):
+            args[0].retain_grad()
+            kept[key] = args[0]
+        return hook
+    with Hooks() as hooks:
+        for l, lyr in enumerate(hf.model.layers):
+            hooks.handles.append(lyr.register_forward_pre_hook(keep(("in", l))))
+            hooks.handles.append(lyr.self_attn.o_proj.register_forward_pre_hook(keep(("z", l))))
+        with torch.enable_grad():
+            logits = hf(ids[corr]).logits[:, -1]
+            m = m_of(logits, a, b)
+            assert torch.allclose(m.detach(), m_corr, atol=1e-4)
+            m.sum().backward()
+    hf.zero_grad(set_to_none=True)  # the weights' gradients: not this test's
+    span = m_clean - m_corr  # [N]
+    cols = slice(head * hd, (head + 1) * hd)
+    dz = (seen[("z", layer)][:, -1] - seen[("z", layer)][corr, -1])[:, cols]  # [N, hd]
+    head_attr = ((dz * kept[("z", layer)].grad[:, -1, cols]).sum(-1) / span).mean()
+    exact_said, attr_said = number(r"head \d+\.\d+: exact ([\d.]+), attribution ([\d.]+)", text)
+    assert abs(float(head_attr) - attr_said) < 0.006
+    country = []
+    for l in range(layer):
+        dx = seen[("in", l)][:, start] - seen[("in", l)][corr, start]  # [N, D]
+        country.append(((dx * kept[("in", l)].grad[:, start]).sum(-1) / span).mean())
+    (said_attr,) = number(r"the country's stream, layers 0-\d+: exact [\d.]+, attribution "
+                          r"([-\d.]+)", text)
+    assert abs(float(torch.stack(country).mean()) - said_attr) < 0.006
+
+
+def test_the_heads_qk_split_as_the_chapter_says(embedded, hf_reference, pairs, chapter,
+                                                 clean_runs):
+    """The country's lead in the key head's score, split by what wrote the query and what
+    wrote the keys: HF's components (embed_tokens, every o_proj and mlp output before the head's
+    layer), through its input norm with the divisor frozen, q_proj / k_proj and HF's own
+    rotary tables, against the lead read off HF's attention weights."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    ids, _, _, _, _ = pairs
+    seen, _, _ = clean_runs
+    _, text = chapter
+    c = embedded.config
+    hf, H, hd = hf_reference, c.n_heads, c.head_dim
+    layer, head = key_head(text)
+    N, T = ids.shape
+    start = int((ids != ids[0]).any(0).nonzero()[0])
+    layers = hf.model.layers
+    mlp_out, got = {}, {}
+    attn = layers[layer].self_attn
+    with Hooks() as hooks:
+        for l in range(layer):
+            hooks.capture(layers[l].mlp, mlp_out, l, output=True)
+        hooks.handles.append(attn.register_forward_hook(
+            lambda mod, args, out: got.__setitem__("w", out[1])))
+        hf_logits(hf, ids)
+    with torch.no_grad():
+        embed = hf.model.embed_tokens(ids)
+    names = ["embed"] + [f"{l}.{s}" for l in range(layer) for s in ("attn", "mlp")]
+    parts = torch.stack([embed] + [seen[("out", l)] if s == "attn" else mlp_out[l]
+                                   for l in range(layer) for s in ("attn", "mlp")])
+    x_in = seen[("in", layer)]
+    norm = layers[layer].input_layernorm
+    rms = (x_in.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon).sqrt()
+    normed = parts * norm.weight / rms  # [P, N, T, D]
+    P = len(names)
+    cos, sin = hf.model.rotary_emb(x_in, torch.arange(T)[None])
+    with torch.no_grad():
+        q = normed @ attn.q_proj.weight[head * hd:(head + 1) * hd].T  # [P, N, T, hd]
+        kv = head // c.n_rep
+        k = normed @ attn.k_proj.weight[kv * hd:(kv + 1) * hd].T
+        q, k = apply_rotary_pos_emb(q.flatten(0, 1)[:, None], k.flatten(0, 1)[:, None],
+                                    cos, sin)
+    q, k = q[:, 0].view(P, N, T, hd)[:, :, -1], k[:, 0].view(P, N, T, hd)
+    others = [p for p in range(T) if p != start]
+    k_lead = k[:, :, start] - k[:, :, others].mean(2)
+    qk = torch.einsum("and,bnd->nab", q, k_lead) / hd ** 0.5  # [N, P, P]
+    w = got["w"][:, head, -1]  # [N, T]
+    lead = (w[:, start, None].log() - w[:, others].log()).mean(-1)
+    said_lead, said_sum = number(r"the country's score ahead of the other positions' mean: "
+                                 r"([\d.]+)\n  the sum of the \d+ x \d+ terms: ([\d.]+)", text)
+    assert abs(float(lead.mean()) - said_lead) < 0.006
+    assert abs(float(qk.sum((1, 2)).mean()) - said_sum) < 0.006
+    kind = ["embed"] + [n.split(".")[1] for n in names[1:]]
+    qs = [i for i, n in enumerate(kind) if n == "attn"]
+    ks = [i for i, n in enumerate(kind) if n == "mlp"]
+    (attn_mlp,) = number(r"\n +attn +-?[\d.]+ +-?[\d.]+ +(-?[\d.]+)\n", text)
+    assert abs(float(qk[:, qs][:, :, ks].sum((1, 2)).mean()) - attn_mlp) < 0.006
+    top = qk.mean(0).flatten().argmax()
+    q_name, k_name, value = re.search(r"the largest terms: ([\w.]+) x ([\w.]+) ([\d.]+)",
+                                      text).groups()
+    assert (names[int(top) // P], names[int(top) % P]) == (q_name, k_name)
+    assert abs(float(qk.mean(0).flatten()[top]) - float(value)) < 0.006

@@ -1,7 +1,7 @@
 """The walk, chapters 1 to 13, teaches one Llama: no visible cell names another family's switch
 or the parts other families add (`llmtrace_book.mechanisms`). What another family changes lives in the
 library, in cells whose code the page hides (the comparison with the trace goes through
-`book.check_plain`), and in chapter 16."""
+`book.check_plain`), and in chapter 17."""
 
 import re
 

@@ -124,3 +124,28 @@ def test_patches_work_on_the_meta_device(tiny_meta):
     out_of_range = r"'layers.22.resid_out' \(this trace has layers 0..21\)"
     with pytest.raises(LlmTraceError, match=out_of_range):
         tiny_meta.run(ids, keep_values=False, patch={"layers.22.resid_out": lambda t: t})
+
+
+def test_forward_with_grad_gives_the_same_logits_and_a_gradient_that_matches_a_patch(embedded):
+    """grad=True: the pass runs with autograd, its logits bit-identical to inference mode's; the
+    gradient at a head's output predicts the change of a small patch there (first order), and
+    the default keeps no graph."""
+    ids = embedded.encode(PROMPT)
+    name = "layers.20.attn.weighted_sum"
+    kept = {}
+
+    def leaf(z):
+        kept["z"] = z.detach().clone().requires_grad_()
+        return kept["z"]
+    flow = Patched({name: leaf})
+    logits = embedded.forward(ids, flow, grad=True)
+    assert torch.equal(logits.detach(), embedded.forward(ids))
+    assert not embedded.forward(ids).requires_grad
+    token = int(logits[0, -1].argmax())
+    logits[0, -1, token].backward()
+    g = kept["z"].grad  # [1, H, T, hd]
+    step = 1e-3 * g / g.norm()  # a small move along the gradient
+    z = kept["z"].detach()
+    moved = embedded.forward(ids, Patched({name: lambda t: z + step}))[0, -1, token]
+    predicted = float((g * step).sum())
+    assert abs(float(moved - logits[0, -1, token].detach()) - predicted) < 0.05 * abs(predicted)

@@ -175,19 +175,22 @@ class Model:
         dtype = self.weights.embed.dtype
         return [b.attn.new_state(max_len, batch, self.device, dtype) for b in self.blocks]
 
-    @torch.inference_mode()
     def forward(self, ids: torch.Tensor, trace=NO_TRACE,
-                cache: list[KVCache] | None = None, start: int = 0) -> torch.Tensor:
+                cache: list[KVCache] | None = None, start: int = 0,
+                grad: bool = False) -> torch.Tensor:
         """ids [B, T] at positions start..start+T-1 -> logits [B, T, V]. With a cache
         (`new_cache`), K and V of the positions before `start` come from it.
-        To patch operations, pass a `Patched` trace (or use `run`)."""
-        ids = check_ids(ids, self.config.vocab_size, batch=True).to(self.device)  # [B, T]
-        pos = self.positions(start, ids.shape[1])  # shared by every layer
-        x = self.embed(ids, trace)  # [B, T, D]
-        for i, (block, w) in enumerate(zip(self.blocks, self.weights.layers)):
-            layer_cache = None if cache is None else cache[i]
-            x = block(x, w, pos, layer_cache, trace, f"layers.{i}")  # [B, T, D]
-        return self.head(x, trace)  # [B, T, V]
+        To patch operations, pass a `Patched` trace (or use `run`). The pass runs in inference
+        mode, which keeps no graph; grad=True runs it with autograd, for a gradient of the
+        logits with respect to a tensor a patch hands on (attribution patching)."""
+        with torch.inference_mode(not grad):
+            ids = check_ids(ids, self.config.vocab_size, batch=True).to(self.device)  # [B, T]
+            pos = self.positions(start, ids.shape[1])  # shared by every layer
+            x = self.embed(ids, trace)  # [B, T, D]
+            for i, (block, w) in enumerate(zip(self.blocks, self.weights.layers)):
+                layer_cache = None if cache is None else cache[i]
+                x = block(x, w, pos, layer_cache, trace, f"layers.{i}")  # [B, T, D]
+            return self.head(x, trace)  # [B, T, V]
 
     def positions(self, start: int, T: int) -> Positions:
         """Where this pass's T tokens sit, RoPE's tables for them, the causal mask."""

@@ -12,7 +12,7 @@ def count_parameters(config) -> int:
     v_proj [KV * hd, D] each, gate and up [F, D] and down [D, F]; the final norm [D]; and the LM
     head [V, D], unless it is tied to the embedding (`config.tied_lm_head`: one matrix serves
     both ends). The fields: vocab_size, hidden_size, n_layers, n_heads, n_kv_heads, head_dim,
-    ffn_size, tied_lm_head. Today's families add a few vectors per block (chapter 16): biases
+    ffn_size, tied_lm_head. Today's families add a few vectors per block (chapter 17): biases
     on q, k, v (`qkv_bias`), q_norm and k_norm [head_dim] each (`qk_norm`), and two more norms
     [D] after the sublayers (`sandwich_norm`)."""
     c = config

@@ -197,16 +197,30 @@ def _(model) -> Case:
                      "blocked, not True/False")], diagnose, accepted)
 
 
+SHIFT = 100.0  # added to the scores in the softmax check's second call
+
+
 @exercise(6, softmax)
 def _(model) -> Case:
     trace = trace_of(model)
     scores, want = trace["layers.0.attn.masked_scores"], trace["layers.0.attn.weights"]
-    return Case(caller(scores), want, f"layers.0.attn.weights {shape(want)}",
-                tensor_compare(1e-5), [
+    # softmax ignores a constant added to a row: the check also hands it the scores + SHIFT,
+    # which float32's exp cannot take (exp(89) is already inf), so that only a softmax that
+    # never overflows passes
+    shifted = scores + SHIFT
+
+    def both(fn):
+        return caller(scores)(fn), caller(shifted)(fn)
+    return Case(both, (want, torch.softmax(shifted, dim=-1)),
+                f"layers.0.attn.weights {shape(want)}, shifted too",
+                tuple_compare(("the weights", f"the weights of the scores + {SHIFT:g}"), 1e-5), [
                     (lambda s: s.softmax(-2), "softmax over the wrong axis: over the keys, "
                                               "the LAST axis, so that each row sums to 1"),
                     (lambda s: s.softmax(1), "softmax over the wrong axis (the heads): over the "
                                              "keys, the last axis"),
+                    (lambda s: s.exp() / s.exp().sum(-1, keepdim=True),
+                     f"exp overflowed: the check's scores are shifted by {SHIFT:g} (softmax "
+                     "ignores a shift); subtract each row's max before exp"),
                     (lambda s: s.exp(), "divide by the sum of each row: the weights sum to 1")])
 
 

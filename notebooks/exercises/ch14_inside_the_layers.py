@@ -1,10 +1,11 @@
-"""Chapter 14: a patch, then one head's direct logit attribution."""
+"""Chapter 14: a patch, a patching sweep, one head's direct logit attribution, and its QK terms."""
 
 import torch
 
 from llmtrace_book.errors import LlmTraceError
+from llmtrace_book.trace import Patched
 
-from .registry import PROMPT, Case, Edited, ReturnedNone, Stub, copy_inputs, edited, \
+from .registry import PROMPT, Case, Edited, ReturnedNone, Stub, caller, copy_inputs, edited, \
     exercise, is_stub, run, trace_of
 from .verdicts import shape, tensor_compare, with_rtol
 
@@ -178,3 +179,117 @@ def _(model) -> Case:
                                             "z = weighted_sum[0, head, -1]"),
                     (lambda *a: -head_logit_attribution(*a),
                      "the sign is flipped: m = logit(clean) - logit(corrupt)")])
+
+
+def patch_sweep(run_patched, n_layers: int, positions: list) -> torch.Tensor:
+    """An activation-patching sweep. run_patched(layer, pos) -> a float: the normalized effect
+    of one patched run (the Germany prompt, with the France prompt's residual stream written in
+    as it enters `layer`, at position `pos`; 0 the corrupted run, 1 the clean one); n_layers and
+    positions: what to sweep -> a tensor [n_layers, len(positions)]: row l, column i the effect
+    of patching layer l at positions[i]."""
+    return torch.tensor([[run_patched(l, pos) for pos in positions] for l in range(n_layers)])
+
+
+def _streams(model, trace):
+    L = model.config.n_layers
+    start = "embed.scaled" if "embed.scaled" in trace else "embed"
+    return [start] + [f"layers.{l}.resid_out" for l in range(L - 1)]  # entering each layer
+
+
+@exercise(14, patch_sweep)
+def _(model) -> Case:
+    ids, other_ids = model.encode(PROMPT), model.encode(OTHER)  # [1, T] each
+    if ids.shape != other_ids.shape:
+        raise LlmTraceError(f"{model.name}'s tokenizer splits {PROMPT!r} and {OTHER!r} into "
+                            "different numbers of tokens")
+    T, L = ids.shape[1], model.config.n_layers
+    pos = int((ids != other_ids).nonzero()[0, 1])  # the country
+    positions = [pos, T - 1]
+    a, b = answers(model)
+    trace = trace_of(model)
+    streams = _streams(model, trace)
+    logits_c = model.run(ids, keep_values=False)[0][0, -1]
+    logits_r = model.run(other_ids, keep_values=False)[0][0, -1]
+    m_clean, m_corr = float(logits_c[a] - logits_c[b]), float(logits_r[a] - logits_r[b])
+
+    # every (layer, position) patched once, in one batched pass (a row each): run_patched
+    # reads its run's effect from there
+    grid = [(l, p) for l in range(L) for p in range(T)]
+    patch = {}
+    for l in range(L):
+        rows = [r for r, (m, _) in enumerate(grid) if m == l]
+
+        def put(t, rows=rows, name=streams[l]):
+            t = t.clone()  # [rows, T, D]
+            for r in rows:
+                t[r, grid[r][1]] = trace[name][0, grid[r][1]]
+            return t
+        patch[streams[l]] = put
+    lg = model.forward(other_ids.expand(len(grid), -1), Patched(patch))[:, -1]  # [rows, V]
+    effect = dict(zip(grid, ((lg[:, a] - lg[:, b] - m_corr) / (m_clean - m_corr)).tolist()))
+
+    def run_patched(layer, at):
+        return effect[layer, at]
+
+    def call(fn):
+        return run(fn, run_patched, L, list(positions),
+                   names=["run_patched", "n_layers", "positions"])
+    want = call(patch_sweep)
+    return Case(call, want, f"the sweep {shape(want)}", tensor_compare(1e-4), [
+        (lambda r, n, ps: patch_sweep(r, n, ps).T,
+         "rows are the layers, columns the positions: [n_layers, len(positions)]"),
+        (lambda r, n, ps: torch.tensor([[r(l, i) for i in range(len(ps))] for l in range(n)]),
+         "patch at the positions given, positions[i], not at i")])
+
+
+def qk_terms(q_parts: torch.Tensor, k_parts: torch.Tensor, scale: float) -> torch.Tensor:
+    """A QK attribution. q_parts [P, hd]: the share of each of P components of the stream (the
+    embedding, every attention and MLP output before the head's layer) in one head's query at the
+    last position, through the norm (its divisor frozen as it was in the run), W_Q and the
+    rotation of that position; k_parts [P, hd]: each component's share of the country's key minus
+    the other positions' mean key, the same way; scale: the attention's scale (1 / sqrt(hd) in a
+    Llama) -> [P, P]: row a, column b the term (q_parts[a] . k_parts[b]) * scale. Their sum is
+    the country's lead in the head's score over the other positions' mean."""
+    return q_parts @ k_parts.T * scale  # [P, P]
+
+
+@exercise(14, qk_terms)
+def _(model) -> Case:
+    from llmtrace_book.rope import apply_rope
+
+    trace, c, w = trace_of(model), model.config, model.weights
+    ids, other_ids = model.encode(PROMPT), model.encode(OTHER)
+    T, H, hd = ids.shape[1], c.n_heads, c.head_dim
+    pos = int((ids != other_ids).nonzero()[0, 1]) if ids.shape == other_ids.shape else 0
+    # the head that looks most at the country from the last position, past layer 0
+    look = torch.stack([trace[f"layers.{l}.attn.weights"][0, :, -1, pos]
+                        for l in range(1, c.n_layers)])  # [L - 1, H]
+    layer, head = divmod(int(look.flatten().argmax()), H)
+    layer += 1
+    one = 1.0 if c.norm_offset else 0.0
+    add = ("attn_post_norm", "mlp_post_norm") if c.sandwich_norm else ("attn.out", "mlp.down")
+    parts = torch.stack([trace[_streams(model, trace)[0]][0]] + [
+        trace[f"layers.{l}.{n}"][0] for l in range(layer) for n in add])  # [P, T, D]
+    x_in = trace[_streams(model, trace)[layer]][0]  # [T, D]
+    rms = (x_in.pow(2).mean(-1, keepdim=True) + c.norm_eps).sqrt()  # [T, 1]: frozen
+    normed = parts * (w.layers[layer].attn_norm + one) / rms  # [P, T, D]
+    rope = model.positions(0, T)
+
+    def rotated(rows):  # [hd, D] -> [P, T, hd]
+        x = (normed @ rows.T)[:, :, None]  # [P, T, 1, hd]
+        return apply_rope(x, rope.cos, rope.sin)[:, :, 0]
+    lw = w.layers[layer]
+    q = rotated(lw.q_proj.view(H, hd, -1)[head])[:, -1]  # [P, hd]
+    k = rotated(lw.k_proj.view(c.n_kv_heads, hd, -1)[head // (H // c.n_kv_heads)])
+    others = [p for p in range(T) if p != pos]
+    k_lead = k[:, pos] - k[:, others].mean(1)  # [P, hd]
+    scale = c.attn_scale or hd ** -0.5
+    want = qk_terms(q, k_lead, scale)
+    return Case(caller(q, k_lead, scale), want, f"QK terms of layer {layer}'s head {head} {shape(want)}",
+                tensor_compare(1e-5), [
+                    (lambda q, k, s: q @ k.T, "multiply by the attention's scale, as the "
+                                              "scores are"),
+                    (lambda q, k, s: qk_terms(k, q, s), "rows are the query's components, "
+                                                        "columns the key's"),
+                    (lambda q, k, s: (q * k).sum(-1) * s, "every pair of a query component "
+                                                          "and a key component: [P, P]")])

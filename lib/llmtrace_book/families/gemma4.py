@@ -220,21 +220,21 @@ class Gemma4(Model, family="gemma4_text"):
         return scaled_embed(ids, table, trace) if self.config.embed_scale else embed(
             ids, table, trace)
 
-    @torch.inference_mode()
-    def forward(self, ids, trace=NO_TRACE, cache=None, start=0):
+    def forward(self, ids, trace=NO_TRACE, cache=None, start=0, grad=False):
         """Llama's pass, with each layer's small input computed after the embedding."""
-        c, w = self.config, self.weights
-        ids = check_ids(ids, c.vocab_size, batch=True).to(self.device)  # [B, T]
-        pos = self.positions(start, ids.shape[1])
-        x = self.embed(ids, trace)  # [B, T, D]
-        if c.ple_size:  # a small input for each layer, from the ids and x
-            pos.more["ple"] = per_layer_inputs(
-                ids, x, PleWeights(w.ple_table, w.ple_model_proj, w.ple_model_norm),
-                c.n_layers, c.norm_eps, trace)  # [B, T, L, P]
-        for i, (block, lw) in enumerate(zip(self.blocks, w.layers)):
-            x = block(x, lw, pos, None if cache is None else cache[i], trace,
-                      f"layers.{i}")  # [B, T, D]
-        return self.head(x, trace)  # [B, T, V]
+        with torch.inference_mode(not grad):
+            c, w = self.config, self.weights
+            ids = check_ids(ids, c.vocab_size, batch=True).to(self.device)  # [B, T]
+            pos = self.positions(start, ids.shape[1])
+            x = self.embed(ids, trace)  # [B, T, D]
+            if c.ple_size:  # a small input for each layer, from the ids and x
+                pos.more["ple"] = per_layer_inputs(
+                    ids, x, PleWeights(w.ple_table, w.ple_model_proj, w.ple_model_norm),
+                    c.n_layers, c.norm_eps, trace)  # [B, T, L, P]
+            for i, (block, lw) in enumerate(zip(self.blocks, w.layers)):
+                x = block(x, lw, pos, None if cache is None else cache[i], trace,
+                          f"layers.{i}")  # [B, T, D]
+            return self.head(x, trace)  # [B, T, V]
 
     def head(self, x, trace=NO_TRACE):
         logits = super().head(x, trace)  # [..., V]

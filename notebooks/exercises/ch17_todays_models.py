@@ -1,4 +1,4 @@
-"""Chapter 16: a sliding window's mask; a mixture of experts' router; the share of attention
+"""Chapter 17: a sliding window's mask; a mixture of experts' router; the share of attention
 a sink takes; the gated delta rule's step (Qwen3-Next)."""
 
 import dataclasses
@@ -56,7 +56,7 @@ def sliding_window_mask(T: int, start: int, window: int) -> torch.Tensor:
     return torch.zeros(T, start + T).masked_fill(blocked, float("-inf"))  # [T, S]
 
 
-@exercise(16, sliding_window_mask)
+@exercise(17, sliding_window_mask)
 def _(model) -> Case:
     """The masks the running model's layer 0 records when its config is given a window: the
     prefill of the prompt, then one decode step reading the cache. A family whose attention
@@ -133,7 +133,7 @@ def moe_of_layer_0(model) -> Model:
                       mlp=MoE)
 
 
-@exercise(16, choose_experts)
+@exercise(17, choose_experts)
 def _(model) -> Case:
     """The router's logits that layer 0 of the running model, made a mixture of experts
     (`moe_of_layer_0`), recorded for the prompt, and the experts and weights it chose."""
@@ -181,13 +181,15 @@ def layers_without_rope(acts: dict, n_layers: int) -> list:
     return unturned
 
 
-@exercise(16, layers_without_rope)
+@exercise(17, layers_without_rope)
 def _(model) -> Case:
-    """The running model's weights with SmolLM3's pattern of layers: no RoPE on every fourth
-    (every n-th in a model of n < 4 layers, so that one layer has none)."""
+    """The running model's weights with NoPE layers where a seeded draw puts them: a quarter of
+    the layers (one at least), not SmolLM3's every fourth, so that only reading `acts` finds
+    them."""
     c = model.config
-    every = min(4, c.n_layers)
-    flags = tuple(int((i + 1) % every != 0) for i in range(c.n_layers))
+    g = torch.Generator().manual_seed(3)
+    drawn = set(torch.randperm(c.n_layers, generator=g)[:max(1, c.n_layers // 4)].tolist())
+    flags = tuple(int(i not in drawn) for i in range(c.n_layers))
     nope = with_parts(model, c.replace(no_rope_layers=flags), model.weights, step=Unturned,
                       layers=[i for i in range(c.n_layers) if not flags[i]])
     step = "q_norm" if c.qk_norm else "q"
@@ -203,8 +205,10 @@ def _(model) -> Case:
         return f"got {got!r:.40}, wanted layers {want!r:.40}"
 
     return Case(caller(acts, c.n_layers), want,
-                f"the {len(want)} NoPE layers of {c.n_layers} (one in {every})",
-                compare, [
+                f"the {len(want)} NoPE layers of {c.n_layers}", compare, [
+                    (lambda a, n: [i for i in range(n) if (i + 1) % 4 == 0],
+                     "read the layers off acts: here the layers without RoPE are not every "
+                     "fourth"),
                     (lambda a, n: [i for i in range(n) if i not in want],
                      "those are the layers RoPE turned: keep the ones it left alone"),
                     (lambda a, n: [i + 1 for i in want],
@@ -222,7 +226,7 @@ def rebuild_kv(latent: torch.Tensor, kv_b: torch.Tensor, n_heads: int,
     return kv[..., :nope_dim], kv[..., nope_dim:]
 
 
-@exercise(16, rebuild_kv)
+@exercise(17, rebuild_kv)
 def _(model) -> Case:
     """The running model's layer-0 input (its normed stream for the prompt) through a latent
     attention layer of random weights of the running model's width, the library's own
@@ -282,7 +286,7 @@ def sink_share(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     return torch.softmax(both, dim=-1)[:, -1]  # [H]
 
 
-@exercise(16, sink_share)
+@exercise(17, sink_share)
 def _(model) -> Case:
     """The last query's scores at layer 0 of the running model, run alone with every key in
     view, and what its weights leave out. A model without sinks (any but gpt-oss) is given a
@@ -339,7 +343,7 @@ def tiny_qwen3_next(seed: int = 0) -> Model:
     return Model(c, weights_from_state_dict(c, sd, "random"))
 
 
-@exercise(16, delta_rule_step)
+@exercise(17, delta_rule_step)
 def _(model) -> Case:
     """The running model's first DeltaNet layer (a tiny Qwen3-Next's when it has none), a
     decode step after the prompt: the state its prefill recorded (`attn.state`), the step's q,
@@ -421,7 +425,7 @@ def _compare_sources(got, want) -> str | None:
     return None
 
 
-@exercise(16, kv_source_layers)
+@exercise(17, kv_source_layers)
 def _(model) -> Case:
     """Checked on the records of gemma-4-e2b's walk on the meta device (any running model):
     which layer's K each layer's kv_cache.k holds."""
