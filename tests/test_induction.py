@@ -89,8 +89,9 @@ def heads(text, kind):
     return [(int(l), int(h), float(s)) for l, h, s in re.findall(r"(\d+)\.(\d+): ([\d.]+)", listed)]
 
 
-def ablated_loss(s, hd, H, ablate):
-    """The second copy's mean loss with these (layer, head)s mean-ablated, through HF."""
+def ablated_loss(s, hd, H, ablate, copy="second"):
+    """The second (or first) copy's mean loss with these (layer, head)s mean-ablated, through
+    HF."""
     run = Run(s["hf"])
     for l in sorted({l for l, _ in ablate}):
         cols = torch.cat([torch.arange(h * hd, (h + 1) * hd) for m, h in ablate if m == l])
@@ -101,7 +102,8 @@ def ablated_loss(s, hd, H, ablate):
             return (x,)
         run.pre(s["hf"].model.layers[l].self_attn.o_proj, put)
     R = s["R"]
-    return float(loss_of(run(s["ids"]), s["ids"])[:, R:].mean())
+    loss = loss_of(run(s["ids"]), s["ids"])
+    return float((loss[:, R:] if copy == "second" else loss[:, :R - 1]).mean())
 
 
 def test_the_loss_and_the_heads_scores_as_the_chapter_says(embedded, setup):
@@ -128,9 +130,12 @@ def test_the_ablations_and_their_control_as_the_chapter_says(embedded, setup):
     H, hd = c.n_heads, c.head_dim
     prev = [(l, h) for l, h, _ in heads(s["text"], "previous-token")]
     ind = [(l, h) for l, h, _ in heads(s["text"], "induction")]
-    for name, group in [("the induction heads", ind), ("the previous-token heads", prev)]:
-        (value,) = said(rf"^  {name} +([\d.]+)$", s["text"])
-        assert abs(ablated_loss(s, hd, H, group) - float(value)) < 0.051, name
+    groups = [("the induction heads", ind), ("the previous-token heads", prev)] + [
+        (f"previous-token head {l}.{h} alone", [(l, h)]) for l, h in prev]
+    for name, group in groups:
+        on_first, on_second = said(rf"^  {re.escape(name)} +([\d.]+) +([\d.]+)$", s["text"])
+        assert abs(ablated_loss(s, hd, H, group) - float(on_second)) < 0.051, name
+        assert abs(ablated_loss(s, hd, H, group, "first") - float(on_first)) < 0.051, name
     others = [(l, h) for l in range(c.n_layers) for h in range(H) if (l, h) not in prev + ind]
     g = torch.Generator().manual_seed(2)
     draws = [[others[n] for n in torch.randperm(len(others), generator=g)[:len(ind)]]

@@ -1,4 +1,5 @@
-"""Chapter 14: a patch, a patching sweep, one head's direct logit attribution, and its QK terms."""
+"""Chapter 14: a patch, a patching sweep, noising a head, one head's direct logit attribution,
+and a head's QK terms."""
 
 import torch
 
@@ -293,3 +294,52 @@ def _(model) -> Case:
                                                         "columns the key's"),
                     (lambda q, k, s: (q * k).sum(-1) * s, "every pair of a query component "
                                                           "and a key component: [P, P]")])
+
+
+def noise_head(z: torch.Tensor, z_other: torch.Tensor, head: int) -> torch.Tensor:
+    """Noising one head. z [1, H, T, hd]: one layer's head outputs (`attn.weighted_sum`) as they
+    flow in the France prompt's run; z_other: the same from the Germany prompt's; head: which
+    -> a new tensor: z with that head's output at the last position taken from z_other."""
+    out = z.clone()  # the trace keeps the tensor it was given
+    out[:, head, -1] = z_other[:, head, -1]
+    return out
+
+
+@exercise(14, noise_head)
+def _(model) -> Case:
+    trace, c = trace_of(model), model.config
+    ids, other_ids = model.encode(PROMPT), model.encode(OTHER)
+    if ids.shape != other_ids.shape:
+        raise LlmTraceError(f"{model.name}'s tokenizer splits {PROMPT!r} and {OTHER!r} into "
+                            "different numbers of tokens")
+    a, b = answers(model)
+    layer, head = divmod(int(all_heads(model, trace, a, b).flatten().argmax()), c.n_heads)
+    name = f"layers.{layer}.attn.weighted_sum"
+    other = model.run(other_ids, names=[name])[1][name]  # [1, H, T, hd]
+
+    def call(fn):
+        run(fn, trace[name], other, head, names=["z", "z_other", "head"])  # a stub, an edit
+
+        def patch(t):
+            before = t.clone()
+            out = fn(t, other.clone(), head)
+            if not torch.equal(t, before):
+                raise Edited("your function changed `z` in place: copy it first (z.clone())")
+            return out
+        return model.run(ids, keep_values=False, patch={name: patch})[0]  # [1, T, V]
+    want = call(noise_head)
+
+    def every_position(z, o, h):
+        out = z.clone()
+        out[:, h] = o[:, h]
+        return out
+
+    def every_head(z, o, h):
+        out = z.clone()
+        out[:, :, -1] = o[:, :, -1]
+        return out
+    return Case(call, want, f"the noised logits {shape(want)}", tensor_compare(1e-4), [
+        (every_position, "only the last position, where the answer is read: z[:, head, -1]"),
+        (every_head, "only the one head: z[:, head, -1], not every head's"),
+        (lambda z, o, h: o.clone(), "the clean run with ONE head's output from the other: "
+                                    "start from z, not z_other")])

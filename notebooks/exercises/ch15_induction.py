@@ -1,4 +1,4 @@
-"""Chapter 15: an induction score; a faithfulness ablation."""
+"""Chapter 15: an induction score; a path patch into a key; a faithfulness ablation."""
 
 import torch
 
@@ -101,3 +101,62 @@ def _(model) -> Case:
                     (lambda z, m, k: keep_only(z, m.mean(1, keepdim=True), k),
                      "the mean at each position, as mean_z gives it: not over the positions "
                      "too")])
+
+
+def key_without(x_in: torch.Tensor, head_out: torch.Tensor, head_mean: torch.Tensor,
+                norm_weight: torch.Tensor, eps: float, k_proj: torch.Tensor) -> torch.Tensor:
+    """A path patch into a key. x_in [B, T, D]: the stream entering the receiving head's layer;
+    head_out [B, T, D]: what one earlier head wrote into it; head_mean [T, D]: that head's mean
+    output at each position over other runs; norm_weight [D], eps: the layer's RMSNorm before
+    attention; k_proj [KV*hd, D]: its key projection -> [B, T, KV*hd]: the keys the layer computes
+    when the sender's output in its stream is replaced by its mean."""
+    x = x_in - head_out + head_mean  # the sender's own work taken out of the stream
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_weight  # the norm, again
+    return x @ k_proj.T  # [B, T, KV*hd]
+
+
+@exercise(15, key_without)
+def _(model) -> Case:
+    c, w = model.config, model.weights
+    s = store(model)
+    if "repeated_streams" not in s:
+        g = torch.Generator().manual_seed(1)
+        V, B, R = c.vocab_size, 4, 10
+        low = min(1000, V // 2)
+        runs = [torch.randint(low, V, (B, R), generator=g) for _ in range(2)]
+        names = ([f"layers.{l}.attn.weighted_sum" for l in range(c.n_layers)]
+                 + [f"layers.{l}.resid_out" for l in range(c.n_layers)] + ["embed"])
+        trace = Trace(names=names)
+        model.forward(torch.cat([torch.cat([r, r], 1) for r in runs]), trace)
+        s["repeated_streams"] = {n: trace[n] for n in names}
+    acts = s["repeated_streams"]
+    W, R = repeated_weights(model)
+    T, H, hd, D = 2 * R, c.n_heads, c.head_dim, c.hidden_size
+    i = torch.arange(1, T)
+    prev = W[..., i, i - 1].mean((1, 3))  # [L, H]: previous-token scores
+    diag = torch.diagonal(W[..., R:, 1:R + 1], dim1=-2, dim2=-1).mean((1, -1))  # [L, H]
+    diag[0] = -1  # a receiver above some sender
+    receiver = int(diag.max(-1).values.argmax())
+    sender_l, sender_h = divmod(int(prev[:receiver].flatten().argmax()), H)
+    z = acts[f"layers.{sender_l}.attn.weighted_sum"]  # [2B, H, T, hd]
+    o_proj = w.layers[sender_l].o_proj.view(D, H, hd)[:, sender_h]  # [D, hd]
+    out = z[:, sender_h] @ o_proj.T  # [2B, T, D]
+    half = out.shape[0] // 2
+    head_out, head_mean = out[:half], out[half:].mean(0)
+    x_in = acts[f"layers.{receiver - 1}.resid_out"][:half]
+    lw = w.layers[receiver]
+    gain = lw.attn_norm + (1.0 if c.norm_offset else 0.0)
+    want = key_without(x_in, head_out, head_mean, gain, c.norm_eps, lw.k_proj)
+
+    def normed_first(x, o, m, g, eps, k):  # the norm of the old stream, then the cut
+        n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g
+        return (n - o + m) @ k.T
+    return Case(caller(x_in, head_out, head_mean, gain, c.norm_eps, lw.k_proj), want,
+                f"layer {receiver}'s keys, the path cut {shape(want)}",
+                tensor_compare(1e-5), [
+                    (lambda x, o, m, g, eps, k: key_without(x, o, 0 * m, g, eps, k),
+                     "replace the sender's output by its MEAN: add head_mean back"),
+                    (normed_first, "take the sender out of the stream first, then normalize: "
+                                   "the norm reads the changed stream"),
+                    (lambda x, o, m, g, eps, k: key_without(x, 0 * o, 0 * m, g, eps, k),
+                     "take the sender's output OUT of the stream: x_in - head_out")])
