@@ -28,6 +28,7 @@ from .serve import ROOT, serve
 HTML = ROOT / "_build" / "html"
 PAGE = "book/your_prompt.html"
 PROMPT = "The capital of France is the"  # six tokens on the embedded model (checked)
+LAB_PAIR = ("The capital city of France is", "The capital city of Germany is")  # 6 tokens each
 CONTINUE = "Once upon a time, in a small village,"  # 20 greedy tokens with no end token
 EXPLAINER_MB = 630  # Transformer Explainer downloads about this for GPT-2 small
 REPEAT = 5
@@ -53,7 +54,21 @@ def timed(fn):
 trace = timed(lambda: model.run(prompt))
 greedy = timed(lambda: generate(model, more, max_new_tokens=20, trace=False))
 g = generate(model, more, max_new_tokens=20, trace=False)
+# the lab's figures, as the library computes them: one head patched (Patched), and each sweep's
+# runs batched in one pass (the page batches them SWEEP_ROWS at a time)
+from llmtrace_book.trace import Patched
+other = model.encode(sys.argv[5])
+c = model.config
+T, L, H = other.shape[1], c.n_layers, c.n_heads
+def head_in(t):
+    t = t.clone()
+    t[:, 4, -1] = 0
+    return t
+lab_one = timed(lambda: model.forward(other, Patched({"layers.23.attn.weighted_sum": head_in})))
+lab_resid = timed(lambda: model.forward(other.expand(L * T, -1)))
+lab_heads = timed(lambda: model.forward(other.expand(L * H, -1)))
 print(json.dumps({"load_s": load, "trace_s": trace, "greedy_s": greedy,
+                  "lab_one_s": lab_one, "lab_resid_s": lab_resid, "lab_heads_s": lab_heads,
                   "greedy_ids": g.new_ids, "rss_mib":
                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
@@ -63,7 +78,8 @@ def python_figures(threads: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "LLMTRACE_MODEL": "embedded",
            "PYTHONPATH": str(ROOT / "lib") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run([sys.executable, "-c", PYTHON, str(threads), PROMPT, CONTINUE,
-                          str(REPEAT)], capture_output=True, text=True, env=env, check=True)
+                          str(REPEAT), LAB_PAIR[1]], capture_output=True, text=True, env=env,
+                         check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -112,12 +128,22 @@ def page_figures(isolated: bool, form: str | None) -> dict:
             more = f"llmtrace.run({json.dumps(CONTINUE)}, {{maxNewTokens: 20}}).then(r => " \
                    "[r.generated, r.timings.prefill_ms + r.timings.decode_ms])"
             greedy = [browser.js(more, timeout=300) for _ in range(3)]
+            pair = f"prompt: {json.dumps(LAB_PAIR[0])}, other: {json.dumps(LAB_PAIR[1])}"
+            one = (f"llmtrace.intervene({{{pair}, interventions: [{{kind: 'heads', layer: 23, "
+                   "head: 4, position: 5, source: 'zero'}]}).then(r => r.lab_ms)")
+            lab_one = [browser.js(one, timeout=120) for _ in range(REPEAT + 1)][1:]
+            lab_resid = browser.js(f"llmtrace.sweep({{{pair}, kind: 'resid'}})"
+                                   ".then(r => r.sweep_ms)", timeout=600)
+            lab_heads = browser.js(f"llmtrace.sweep({{{pair}, kind: 'heads'}})"
+                                   ".then(r => r.sweep_ms)", timeout=600)
             received = sum(e["params"].get("encodedDataLength", 0) for e in browser.events
                            if e.get("method") == "Network.loadingFinished")
             return {**info, "load_s": load_ms / 1000,
                     "trace_s": statistics.median(t for _, t in traces) / 1000,
                     "greedy_s": statistics.median(t for _, t in greedy) / 1000,
                     "greedy_ids": greedy[0][0], "rss_mib": renderer_peak_mib(browser.proc.pid),
+                    "lab_one_s": statistics.median(lab_one) / 1000,
+                    "lab_resid_s": lab_resid / 1000, "lab_heads_s": lab_heads / 1000,
                     "downloaded_mb": received / 2**20}
     finally:
         browser.close()
@@ -139,6 +165,9 @@ def report(page: dict, py: dict, isolated: bool, threads: int) -> str:
     line("model ready after the page opens", page["load_s"], "s", 20, py["load_s"])
     line("a 6-token prompt's whole trace", page["trace_s"], "s", 2, py["trace_s"])
     line("20 greedy tokens", page["greedy_s"], "s", 10, py["greedy_s"])
+    line("the lab: one head ablated", page["lab_one_s"], "s", 0.5, py["lab_one_s"])
+    line("the lab: stream sweep (30 x 6 runs)", page["lab_resid_s"], "s", 10, py["lab_resid_s"])
+    line("the lab: head sweep (270 runs)", page["lab_heads_s"], "s", 20, py["lab_heads_s"])
     line("peak memory (tab / process)", page["rss_mib"] / 1024, "GB", 2, py["rss_mib"] / 1024)
     lines.append(f"{'bytes downloaded':<36}{page['downloaded_mb']:>7.0f} MB"
                  f"{'':>12}  Transformer Explainer ~{EXPLAINER_MB} MB for GPT-2 small: "

@@ -301,7 +301,7 @@ def test_command_reuses_the_cache_and_places_the_files(web_dir, web, tmp_path):
         w = export.verify(out, form)
         listed |= {w["graph"]["file"], *(c["file"] for c in w["chunks"]), w["tokenizer"]["file"],
                    w["tokenizer_config"]["file"], w["lens"]["graph"]["file"],
-                   w["decode"]["graph"]["file"], form}
+                   w["decode"]["graph"]["file"], w["lab"]["graph"]["file"], form}
     assert {f.name for f in out.iterdir()} == listed
     assert (out / "web.json").read_text() == (web_dir / "web.json").read_text()
     (tmp_path / "mine").mkdir()

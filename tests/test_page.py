@@ -358,3 +358,134 @@ def test_opened_from_a_file_the_page_says_to_serve_it(page, runs, site):
     got = browser.js("document.getElementById('lt-error').textContent")
     assert got.startswith("this page runs the model with WebAssembly, which browsers do not load "
                           "from file:// pages: serve the book with `make serve`"), got
+
+
+# --- the lab: chapter 14's interventions in the page -----------------------------------------
+
+CLEAN, CORRUPT = "The capital of France is", "The capital of Germany is"
+
+
+def lab_reference(embedded):
+    """The pair's clean and corrupted runs in Python: ids, traces, answers, m."""
+    from llmtrace_book import Trace
+
+    names = ["layers.*.attn.weighted_sum", "layers.*.resid_out", "embed"]
+    ids, other = embedded.encode(CLEAN), embedded.encode(CORRUPT)
+    traces = [Trace(names=names), Trace(names=names)]
+    last = [embedded.forward(x, t)[0, -1] for x, t in zip((ids, other), traces)]
+    a, b = int(last[0].argmax()), int(last[1].argmax())
+    return ids, other, traces, (a, b), [float(x[a] - x[b]) for x in last], last
+
+
+def test_the_pages_interventions_are_the_librarys(page, runs, embedded):
+    """One head patched from the clean run into the corrupted one (denoising), the same head
+    noised, an MLP zero-ablated and a pattern made uniform: the page's m and normalized effect
+    against `Patched` in Python; and no intervention against the page's own run."""
+    from llmtrace_book.trace import Patched
+
+    browser = page[0]
+    tolerance = browser.js("llmtrace.info.tolerance.logits")
+    ids, other, traces, (a, b), (m_clean, m_corr), last = lab_reference(embedded)
+    T = ids.shape[1]
+    name = "layers.23.attn.weighted_sum"
+    call = "llmtrace.intervene({{prompt: {p}, other: {o}, direction: {d}, interventions: {x}}})"
+
+    def page_run(direction, interventions):
+        return js(browser, call.format(p=json.dumps(CLEAN), o=json.dumps(CORRUPT),
+                                       d=json.dumps(direction), x=json.dumps(interventions)))
+
+    def put_head(source):
+        def fn(t):
+            t = t.clone()
+            t[:, 4, -1] = source[name][0, 4, -1]
+            return t
+        return fn
+
+    none = page_run("denoise", [])
+    assert none["answers"] == [a, b] and abs(none["normalized"]) < 1e-3
+    assert float((torch.tensor(none["logits"]) - last[1]).abs().max()) <= tolerance
+    head = [{"kind": "heads", "layer": 23, "head": 4, "position": T - 1, "source": "other"}]
+    cases = [("denoise", head, other, {name: put_head(traces[0])}),
+             ("noise", head, ids, {name: put_head(traces[1])}),
+             ("denoise", [{"kind": "mlp", "layer": 29, "source": "zero"}], other,
+              {"layers.29.mlp.down": lambda t: torch.zeros_like(t)}),
+             ("denoise", [{"kind": "pattern", "layer": 23, "head": 4, "source": "uniform"}],
+              other, {"layers.23.attn.weights": lambda t: torch.cat(
+                  [t[:, :4], (torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None])
+                   .expand(1, 1, T, T), t[:, 5:]], dim=1)})]
+    for direction, interventions, run_ids, patch in cases:
+        got = page_run(direction, interventions)
+        want = embedded.forward(run_ids, Patched(patch))[0, -1]
+        m = float(want[a] - want[b])
+        assert abs(got["m"] - m) < 1e-3, (direction, interventions)
+        effect = (m_clean - m) / (m_clean - m_corr) if direction == "noise" else \
+            (m - m_corr) / (m_clean - m_corr)
+        assert abs(got["normalized"] - effect) < 1e-3
+        assert [t["id"] for t in got["top"][:3]] == want.topk(3).indices.tolist()
+
+
+def test_the_pages_sweeps_are_the_librarys(page, runs, embedded):
+    """The residual stream by layer and position, and the heads by layer and head at the last
+    position, each run patched alone, against the library's batched `Patched` runs."""
+    from llmtrace_book.trace import Patched
+
+    browser = page[0]
+    ids, other, traces, (a, b), (m_clean, m_corr), _ = lab_reference(embedded)
+    c = embedded.config
+    T, L, H = ids.shape[1], c.n_layers, c.n_heads
+    streams = ["embed"] + [f"layers.{l}.resid_out" for l in range(L - 1)]
+    sweep = "llmtrace.sweep({{prompt: {p}, other: {o}, kind: {k}, position: {pos}}})"
+    for kind, cols in [("resid", T), ("heads", H)]:
+        got = js(browser, sweep.format(p=json.dumps(CLEAN), o=json.dumps(CORRUPT),
+                                       k=json.dumps(kind), pos=T - 1), timeout=300)
+        assert (got["rows"], got["cols"]) == (L, cols) and got["direction"] == "denoise"
+        rows = [(l, j) for l in range(L) for j in range(cols)]
+        patch = {}
+        for l in range(L):
+            def put(t, l=l):
+                t = t.clone()
+                for r, (m, j) in enumerate(rows):
+                    if m != l:
+                        continue
+                    if kind == "resid":
+                        t[r, j] = traces[0][streams[l]][0, j]
+                    else:
+                        t[r, j, -1] = traces[0][f"layers.{l}.attn.weighted_sum"][0, j, -1]
+                return t
+            patch[streams[l] if kind == "resid" else f"layers.{l}.attn.weighted_sum"] = put
+        want = embedded.forward(other.expand(len(rows), -1), Patched(patch))[:, -1]
+        effect = (want[:, a] - want[:, b] - m_corr) / (m_clean - m_corr)
+        assert float((torch.tensor(got["values"]) - effect).abs().max()) < 1e-3, kind
+
+
+@pytest.mark.parametrize("options, line", [
+    ({"prompt": CLEAN, "other": "The capital of the United Kingdom is"}, "as many tokens"),
+    ({"prompt": CLEAN, "other": CORRUPT, "answers": [" Paris is", " Berlin"]}, "not one"),
+    ({"prompt": CLEAN, "other": CORRUPT, "interventions": [
+        {"kind": "heads", "layer": 99, "head": 0}]}, "layer 99 is out of range"),
+    ({"prompt": CLEAN, "other": CORRUPT, "interventions": [
+        {"kind": "heads", "layer": 0, "head": 9}]}, "head 9 is out of range"),
+    ({"prompt": CLEAN, "other": CORRUPT, "direction": "sideways"}, "not \"sideways\""),
+    ({"prompt": CLEAN, "other": CORRUPT, "interventions": [{"kind": "neurons", "layer": 0}]},
+     "not neurons"),
+])
+def test_bad_lab_input_is_one_line_and_the_next_call_works(page, runs, options, line):
+    browser = page[0]
+    got = browser.js(f"llmtrace.intervene({json.dumps(options)}).then(() => 'ran', "
+                     "e => e.message)", timeout=120)
+    assert line in got and "\n" not in got, got
+    again = js(browser, f"llmtrace.intervene({json.dumps({'prompt': CLEAN, 'other': CORRUPT})})")
+    assert abs(again["normalized"]) < 1e-3
+
+
+def test_a_second_sweep_while_one_runs_is_refused(page, runs):
+    browser = page[0]
+    got = browser.js(f"""(async () => {{
+        const one = llmtrace.sweep({{prompt: {json.dumps(CLEAN)}, other: {json.dumps(CORRUPT)}}});
+        const two = await llmtrace.sweep({{prompt: {json.dumps(CLEAN)},
+                                          other: {json.dumps(CORRUPT)}}})
+            .then(() => "ran", e => e.message);
+        await one;
+        return two;
+    }})()""", timeout=300)
+    assert "one thing at a time" in got.lower() or "already" in got.lower(), got

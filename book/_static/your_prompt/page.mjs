@@ -175,6 +175,24 @@ function lens_now() {
 const run = (prompt, opts = {}) => exclusive(() => run_now(prompt, opts));
 const lens = () => exclusive(lens_now);
 
+// The lab (chapter 14's interventions), in the worker: what it is asked is a plain object
+async function lab_now(kind, options) {
+    if (typeof options !== "object" || options === null || Array.isArray(options)) {
+        throw new Error(`llmtrace.${kind} takes one object: {prompt, other, ...}`);
+    }
+    check_text(options.prompt, "the prompt", `llmtrace.${kind}({prompt: "your text", ...})`);
+    check_text(options.other, "the other prompt", `llmtrace.${kind}({other: "text", ...})`);
+    if (!info) {
+        llmtrace.ready = load();
+        await llmtrace.ready;
+    }
+    show_status(kind === "sweep" ? "sweeping…" : "running the intervention…");
+    return ask(kind, { options: JSON.parse(JSON.stringify(options)) });
+}
+
+const intervene = options => exclusive(() => lab_now("intervene", options));
+const sweep = options => exclusive(() => lab_now("sweep", options));
+
 // --- what the page shows --------------------------------------------------------------------
 
 function cell(tag, text, cls) {
@@ -477,6 +495,8 @@ function setup() {
 // the API: `ready` is replaced by a new load when a Run follows a failed one
 const llmtrace = window.llmtrace = {
     ready: null, run,
+    intervene,  // -> one run with interventions: {m, normalized, top, logits, ...}
+    sweep,  // -> every site of a kind patched alone: {rows, cols, values (normalized), ...}
     lens,  // -> the last run's logit lens: {positions, ids, probs, pieces} [layer][position]
     encode: async text => {  // -> the prompt's ids (no model needed)
         check_text(text, "the text to encode", 'llmtrace.encode("your text")');

@@ -28,6 +28,8 @@ const TRACE_LIMIT = 512 * 2 ** 20;
 let manifest = null, tokenizer = null, session = null, info = null;
 let lens_session = null;          // the logit lens's graph, if the export has one
 let decode_session = null;        // one decode step reading the KV cache, if the export has one
+let lab_session = null;           // the pass with interventions as inputs, if the export has one
+const sources = new Map();        // prompt -> its ids, logits and the records the lab reads
 let last_resid = null;            // the last run's layers.N.resid_out, stacked, for the lens
 let last_lens = null;             // and its lens, once computed
 // The lens reads the final norm and the head at every layer and position, which costs as much
@@ -191,6 +193,8 @@ async function load_session(retry) {
     if (lens) await fetch_checked(manifest.lens.graph, lens, "the logit lens's graph", retry);
     const step = manifest.decode ? new Uint8Array(manifest.decode.graph.size) : null;
     if (step) await fetch_checked(manifest.decode.graph, step, "the decode graph", retry);
+    const lab = manifest.lab ? new Uint8Array(manifest.lab.graph.size) : null;
+    if (lab) await fetch_checked(manifest.lab.graph, lab, "the lab's graph", retry);
     const isolated = self.crossOriginIsolated === true;
     ort.env.wasm.wasmPaths = new URL("../ort/", import.meta.url).href;
     ort.env.wasm.numThreads = isolated ? navigator.hardwareConcurrency : 1;
@@ -203,6 +207,7 @@ async function load_session(retry) {
     // nor has the decode graph: its weights are the same bytes of the same data
     lens_session = lens ? await create(lens, "the logit lens's graph", path) : null;
     decode_session = step ? await create(step, "the decode graph", path) : null;
+    lab_session = lab ? await create(lab, "the lab's graph", path) : null;
     session = main;
     weights = null;  // onnxruntime holds its own copy now
     const meta = session.outputMetadata.filter(o => o.isTensor);
@@ -236,6 +241,7 @@ async function load(retry) {
         versions: { onnxruntime_web: ort.env.versions.web },
         downloaded, worker_ms: performance.now() - started,
         lens: lens_session ? { positions: LENS_POSITIONS } : null,
+        lab: lab_session ? { sites: Object.keys(LAB_SITES) } : null,
         form: FORM, other_form: FORM === "fp32" || manifest.fp32 ? true : false,
     };
     trace_bytes = s.bytes_for;
@@ -457,6 +463,239 @@ async function lens() {
     };
 }
 
+// --- the lab: chapter 14's interventions on the reader's prompts ------------------------------
+// Each site kind of the lab graph (llmtrace_book.export.lab): the record it replaces, and how
+// its mask and source are laid out ([B, L, ...] and [L, ...], "T" the prompt's length).
+const LAB_SITES = {
+    heads: { record: l => `layers.${l}.attn.weighted_sum`, per_head: true },
+    pattern: { record: null, per_head: true },  // its source is a uniform pattern, made here
+    mlp: { record: l => `layers.${l}.mlp.down`, per_head: false },
+    resid: { record: l => l === 0 ? "embed" : `layers.${l - 1}.resid_out`, per_head: false },
+};
+
+function lab_shape(kind, part, B, T) {
+    return manifest.lab.shapes[`${kind}.${part}`].map(d => d === "B" ? B : d === "T" ? T : d);
+}
+
+function size_of(shape) { return shape.reduce((a, b) => a * b, 1); }
+
+// A prompt's ids, logits and the records the lab's sources read, from one pass of the main
+// graph that fetches only those (kept for the next call with the same prompt)
+async function source_run(prompt) {
+    if (sources.has(prompt)) return sources.get(prompt);
+    const ids = prompt_ids(prompt, 0);
+    const L = manifest.config.n_layers;
+    const names = [manifest.logits, "embed"];
+    for (let l = 0; l < L; l++) {
+        names.push(`layers.${l}.attn.weighted_sum`, `layers.${l}.mlp.down`);
+        if (l < L - 1) names.push(`layers.${l}.resid_out`);
+    }
+    const out = await session.run(feeds(ids), names);
+    const values = {};
+    for (const n of names) { values[n] = out[n].data.slice(); out[n].dispose(); }
+    const r = { ids, logits: last_logits({ data: values[manifest.logits],
+                                            dims: [manifest.config.vocab_size] }), values };
+    if (sources.size > 4) sources.delete(sources.keys().next().value);
+    sources.set(prompt, r);
+    return r;
+}
+
+// Two prompts of one length and two answer tokens: the clean run (the reader's prompt), the
+// corrupted one (the other prompt), and the answers (ids, or pieces of one token each).
+async function lab_pair(o) {
+    if (!lab_session) {
+        fail("this export has no lab graph (web.json has no \"lab\"): rebuild the book's " +
+             "model files with `make book`");
+    }
+    if (typeof o !== "object" || o === null) fail("give the lab {prompt, other, ...}");
+    if (typeof o.prompt !== "string" || typeof o.other !== "string") {
+        fail("the lab needs two prompts as text: {prompt: \"The capital of France is\", " +
+             "other: \"The capital of Germany is\"}");
+    }
+    const clean = await source_run(o.prompt), corrupt = await source_run(o.other);
+    if (clean.ids.length !== corrupt.ids.length) {
+        fail(`the two prompts must have as many tokens, to patch one into the other: ` +
+             `"${o.prompt}" has ${clean.ids.length}, "${o.other}" has ${corrupt.ids.length}`);
+    }
+    let answers = o.answers ?? [argmax(clean.logits), argmax(corrupt.logits)];
+    if (!Array.isArray(answers) || answers.length !== 2) {
+        fail("answers must be two tokens: [the clean answer, the corrupted one], ids or text");
+    }
+    answers = answers.map(a => {
+        if (typeof a === "number" && Number.isInteger(a) && a >= 0 &&
+            a < manifest.config.vocab_size) return a;
+        if (typeof a !== "string") fail(`an answer must be a token id or its text, got ${a}`);
+        const ids = tokenizer.encode(a, { add_special_tokens: false }).ids;
+        if (ids.length !== 1) {
+            fail(`the answer "${a}" is ${ids.length} tokens, not one: give a single token ` +
+                 "(with its leading space, as \" Paris\")");
+        }
+        return ids[0];
+    });
+    if (answers[0] === answers[1]) fail("the two answers are the same token: pick two");
+    const m = logits => logits[answers[0]] - logits[answers[1]];
+    return { clean, corrupt, answers, T: clean.ids.length,
+             m_clean: m(clean.logits), m_corrupt: m(corrupt.logits) };
+}
+
+function check_range(what, x, n) {
+    if (!Number.isInteger(x) || x < 0 || x >= n) {
+        fail(`${what} ${x} is out of range: the model has ${n} (0 to ${n - 1})`);
+    }
+}
+
+// The source values of one site (layer, head) as the lab graph lays them out: another run's
+// record, zeros, its mean over the positions, or (pattern) the uniform pattern
+function site_values(kind, from, run, layer, head, T) {
+    const c = manifest.config, H = c.n_heads;
+    if (kind === "pattern") {
+        if (from !== "uniform") fail(`a pattern is replaced by "uniform", not "${from}"`);
+        const p = new Float32Array(T * T);
+        for (let i = 0; i < T; i++) for (let j = 0; j <= i; j++) p[i * T + j] = 1 / (i + 1);
+        return p;
+    }
+    const all = run.values[LAB_SITES[kind].record(layer)];
+    const per = all.length / (LAB_SITES[kind].per_head ? H : 1);  // one head's [T, width]
+    const own = LAB_SITES[kind].per_head ? all.subarray(head * per, (head + 1) * per)
+        : all.subarray(0, per);
+    if (from === "other" || from === "clean" || from === "corrupt") return own;
+    if (from === "zero") return new Float32Array(per);
+    if (from === "mean") {
+        const w = per / T, mean = new Float32Array(w), out = new Float32Array(per);
+        for (let t = 0; t < T; t++) for (let d = 0; d < w; d++) mean[d] += own[t * w + d] / T;
+        for (let t = 0; t < T; t++) out.set(mean, t * w);
+        return out;
+    }
+    fail(`a source is "other", "zero", "mean" or (for a pattern) "uniform", not "${from}"`);
+}
+
+// Masks and sources for `rows` runs, each row a list of interventions
+// {kind, layer, head, position ("all" or an index), source}
+function lab_feeds(pair, rows, direction) {
+    const c = manifest.config, L = c.n_layers, H = c.n_heads, T = pair.T, B = rows.length;
+    const run = direction === "noise" ? pair.clean : pair.corrupt;  // the run patched
+    const from = direction === "noise" ? pair.corrupt : pair.clean;  // where "other" comes from
+    const f = { ids: new ort.Tensor("int64", BigInt64Array.from(run.ids, BigInt), [1, T]),
+                answers: new ort.Tensor("int64", BigInt64Array.from(pair.answers, BigInt), [2]) };
+    const filled = new Set();
+    for (const kind of Object.keys(LAB_SITES)) {
+        const ms = lab_shape(kind, "mask", B, T), ss = lab_shape(kind, "source", B, T);
+        const mask = new Float32Array(size_of(ms)), source = new Float32Array(size_of(ss));
+        const site = size_of(ss.slice(1)) / (LAB_SITES[kind].per_head ? H : 1);
+        rows.forEach((row, r) => {
+            for (const x of row) {
+                if (x.kind !== kind) continue;
+                check_range("layer", x.layer, L);
+                const head = LAB_SITES[kind].per_head ? x.head : 0;
+                if (LAB_SITES[kind].per_head) check_range("head", x.head, H);
+                const pos = x.position ?? "all";
+                if (pos !== "all") check_range("position", pos, T);
+                const key = `${kind}.${x.layer}.${head}`;
+                const values = site_values(kind, x.source ?? "other", from, x.layer, head, T);
+                const at = (x.layer * (LAB_SITES[kind].per_head ? H : 1) + head) * site;
+                if (filled.has(key) && !source.subarray(at, at + site).every(
+                    (v, i) => v === values[i])) {
+                    fail(`${kind} ${x.layer}${LAB_SITES[kind].per_head ? "." + head : ""} ` +
+                         "is given two different sources: give each site one");
+                }
+                source.set(values, at);
+                filled.add(key);
+                const row0 = r * L * (LAB_SITES[kind].per_head ? H : 1) * T;
+                const base = row0 + (x.layer * (LAB_SITES[kind].per_head ? H : 1) + head) * T;
+                for (let t = 0; t < T; t++) if (pos === "all" || pos === t) mask[base + t] = 1;
+            }
+        });
+        f[`${kind}.mask`] = new ort.Tensor("float32", mask, ms);
+        f[`${kind}.source`] = new ort.Tensor("float32", source, ss);
+    }
+    return f;
+}
+
+function check_direction(d) {
+    const direction = d ?? "denoise";
+    if (direction !== "denoise" && direction !== "noise") {
+        fail(`direction is "denoise" (the other run, the prompt's values written in) or ` +
+             `"noise" (the prompt's run, the other's values written in), not "${d}"`);
+    }
+    return direction;
+}
+
+// the normalized effect, as chapter 14 normalizes it: denoising restores (0 the corrupted
+// run, 1 the clean one), noising removes (0 the clean run, 1 the corrupted one)
+function normalized(pair, m, direction) {
+    const span = pair.m_clean - pair.m_corrupt;
+    return direction === "noise" ? (pair.m_clean - m) / span : (m - pair.m_corrupt) / span;
+}
+
+async function lab_run(pair, rows, direction, with_logits) {
+    const want = with_logits ? ["lab.metric", "lab.logits"] : ["lab.metric"];
+    const out = await lab_session.run(lab_feeds(pair, rows, direction), want);
+    const metric = Float32Array.from(out["lab.metric"].data);
+    const logits = with_logits ? out["lab.logits"].data.slice() : null;
+    for (const t of Object.values(out)) t.dispose();
+    return { metric, logits };
+}
+
+async function intervene(o) {
+    const pair = await lab_pair(o), direction = check_direction(o.direction);
+    const list = o.interventions ?? [];
+    if (!Array.isArray(list)) fail("interventions must be a list of {kind, layer, ...}");
+    for (const x of list) {
+        if (!(x && x.kind in LAB_SITES)) {
+            fail(`an intervention's kind is one of ${Object.keys(LAB_SITES).join(", ")}, ` +
+                 `not ${x && x.kind}`);
+        }
+    }
+    const t = performance.now();
+    const { metric, logits } = await lab_run(pair, [list], direction, true);
+    const m = metric[0];
+    return {
+        answers: pair.answers, answer_pieces: pair.answers.map(piece), direction,
+        m, m_clean: pair.m_clean, m_corrupt: pair.m_corrupt,
+        normalized: normalized(pair, m, direction),
+        top: top_tokens(logits, 10).map(x => ({ ...x, piece: piece(x.id) })),
+        logits, lab_ms: performance.now() - t,
+    };
+}
+
+const SWEEP_ROWS = 32;  // runs per batched pass: the graph's memory grows with them
+
+// Every site of one kind patched alone, one row each, in batched passes: "resid" by layer and
+// position, "heads" by layer and head (at `position`, every position by default)
+async function sweep(o) {
+    const pair = await lab_pair(o), direction = check_direction(o.direction);
+    const c = manifest.config, L = c.n_layers, T = pair.T;
+    const kind = o.kind ?? "resid";
+    let rows, cols;
+    if (kind === "resid") {
+        cols = T;
+        rows = [];
+        for (let l = 0; l < L; l++) for (let p = 0; p < T; p++) {
+            rows.push([{ kind, layer: l, position: p, source: "other" }]);
+        }
+    } else if (kind === "heads") {
+        cols = c.n_heads;
+        const position = o.position ?? "all";
+        rows = [];
+        for (let l = 0; l < L; l++) for (let h = 0; h < c.n_heads; h++) {
+            rows.push([{ kind, layer: l, head: h, position, source: "other" }]);
+        }
+    } else {
+        fail(`a sweep is over "resid" (layer by position) or "heads" (layer by head), not ` +
+             `"${kind}"`);
+    }
+    const t = performance.now(), values = new Float32Array(rows.length);
+    for (let s = 0; s < rows.length; s += SWEEP_ROWS) {
+        const { metric } = await lab_run(pair, rows.slice(s, s + SWEEP_ROWS), direction, false);
+        metric.forEach((m, i) => { values[s + i] = normalized(pair, m, direction); });
+        postMessage({ kind: "progress", text: `the sweep: ${Math.min(s + SWEEP_ROWS, rows.length)}` +
+                      ` of ${rows.length} runs` });
+    }
+    return { kind, direction, rows: L, cols, values: Array.from(values),
+             answers: pair.answers, answer_pieces: pair.answers.map(piece),
+             m_clean: pair.m_clean, m_corrupt: pair.m_corrupt, sweep_ms: performance.now() - t };
+}
+
 onmessage = async e => {
     const { id, kind } = e.data;
     try {
@@ -464,6 +703,12 @@ onmessage = async e => {
             postMessage({ id, ok: true, result: await ensure_loaded() });
         } else if (kind === "encode") {
             postMessage({ id, ok: true, result: await encode(e.data.text) });
+        } else if (kind === "intervene") {
+            await ensure_loaded();
+            postMessage({ id, ok: true, result: await intervene(e.data.options) });
+        } else if (kind === "sweep") {
+            await ensure_loaded();
+            postMessage({ id, ok: true, result: await sweep(e.data.options) });
         } else if (kind === "lens") {
             postMessage({ id, ok: true, result: await lens() });
         } else if (kind === "run") {

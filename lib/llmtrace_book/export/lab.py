@@ -52,13 +52,17 @@ _SITE = [(re.compile(r"layers\.(\d+)\.attn\.weighted_sum"), "heads", 0),
 
 
 class LabTrace:
-    """A trace that records nothing and replaces the sites' tensors where the masks say."""
+    """A trace that replaces the sites' tensors where the masks say, and keeps only the tensors
+    named in `keep` (as the operations made them, before any replacement): the graph's records
+    that the quantized form's rewrite finds its nodes by."""
 
-    def __init__(self, inputs: dict[str, torch.Tensor], n_layers: int):
-        self.inputs, self.n_layers = inputs, n_layers
-        self.used: set[str] = set()
+    def __init__(self, inputs: dict[str, torch.Tensor], n_layers: int, keep=()):
+        self.inputs, self.n_layers, self.keep = inputs, n_layers, set(keep)
+        self.kept: dict[str, torch.Tensor] = {}
 
     def record(self, name: str, op: str, tensor: torch.Tensor, macs=0, recompute=None):
+        if name in self.keep:
+            self.kept[name] = tensor
         for pattern, kind, shift in _SITE:
             m = pattern.fullmatch(name)
             if m is None:
@@ -66,7 +70,6 @@ class LabTrace:
             layer = 0 if shift is None else int(m.group(1)) + shift
             if layer >= self.n_layers:  # the last block's output enters no layer
                 return tensor
-            self.used.add(f"{kind}.{layer}")
             mask = self.inputs[f"{kind}.mask"][:, layer]  # [B, ...] without the last dims
             source = self.inputs[f"{kind}.source"][layer]  # the site's shape, no batch
             while mask.dim() < tensor.dim():
@@ -96,9 +99,20 @@ class _Lab(torch.nn.Module):
                   "mlp.mask": mlp_mask, "mlp.source": mlp_source,
                   "resid.mask": resid_mask, "resid.source": resid_source}
         rows = ids.expand(heads_mask.shape[0], -1)  # [B, T]: one run per row
-        logits = model.forward(rows, LabTrace(inputs, c.n_layers))[:, -1]  # [B, V]
+        trace = LabTrace(inputs, c.n_layers, kept_records(c))
+        logits = model.forward(rows, trace)[:, -1]  # [B, V]
         metric = logits[:, answers[0]] - logits[:, answers[1]]  # [B]
-        return logits, metric
+        return (logits, metric, *[trace.kept[n] for n in kept_records(c)])
+
+
+def kept_records(c) -> list[str]:
+    """The records the lab's graph outputs besides its own: each linear layer's, the embedding
+    and the LM head, by which `pack.quantize_graph` finds the nodes it rewrites."""
+    from .manifest import LOGITS
+    from .pack import LINEAR_RECORDS
+
+    return (["embed"] + [f"layers.{i}.{r}" for i in range(c.n_layers)
+                         for r in LINEAR_RECORDS.values()] + [LOGITS])
 
 
 def lab_inputs(c, T: int, B: int = 1) -> dict[str, torch.Tensor]:
@@ -117,7 +131,23 @@ def run_lab(model: Model, ids: torch.Tensor, answers, inputs: dict) -> tuple:
     lab = _Lab(model).eval()
     with torch.inference_mode():
         return lab(ids, torch.tensor(answers), *[inputs[f"{k}.{p}"] for k in SITES
-                                                 for p in ("mask", "source")])
+                                                 for p in ("mask", "source")])[:2]
+
+
+def lab_difference(model: Model, sess, prompts) -> float:
+    """The lab graph (an onnxruntime session) with no intervention, two rows, against the
+    library's pass: the largest |difference| of the last position's logits."""
+    import numpy as np
+
+    worst = 0.0
+    for prompt in prompts:
+        ids = model.encode(prompt)
+        feeds = {"ids": ids.numpy(), "answers": np.array([0, 1], dtype=np.int64)}
+        feeds |= {k: v.numpy() for k, v in lab_inputs(model.config, ids.shape[1], 2).items()}
+        (got,) = sess.run(["lab.logits"], feeds)
+        want = model.forward(ids)[0, -1].numpy()
+        worst = max(worst, float(np.abs(got - want).max()))
+    return worst
 
 
 def input_names() -> list[str]:
@@ -128,7 +158,7 @@ def export_lab(model: Model, path: Path) -> dict:
     """Export the lab (`_Lab`) to `path`, its data in path + ".data" (for `graph.share_data` to
     make into references to the main graph's). B and T free. Returns its manifest entry's
     description: the inputs, their shapes, the outputs."""
-    from .graph import _quiet, _relative_sources, check_exportable
+    from .graph import _optimize, _quiet, _relative_sources, check_exportable
 
     check_exportable(model)
     c = model.config
@@ -151,12 +181,18 @@ def export_lab(model: Model, path: Path) -> dict:
         with _quiet():
             exported = torch.export.export(_Lab(model).eval(), args, strict=False,
                                            dynamic_shapes=dynamic_shapes)
-            program = torch.onnx.export(exported, dynamo=True, verbose=False, optimize=True,
-                                        input_names=input_names(), output_names=LAB_OUTPUTS)
+            program = torch.onnx.export(exported, dynamo=True, verbose=False, optimize=False,
+                                        input_names=input_names())
     except Exception as e:  # torch.export and the ONNX translation raise many kinds
         raise LlmTraceError(f"{model.name}: the lab cannot be exported to ONNX "
                             f"({type(e).__name__}: {first_line(e)[:160]})") from None
-    _relative_sources(program.model.graph)
+    g = program.model.graph
+    _optimize(program.model, LAB_OUTPUTS + kept_records(c))  # as the main graph's
+    got = [v.name for v in g.inputs]
+    if got != input_names():
+        raise LlmTraceError(f"{model.name}: the lab graph's inputs are {got}, not "
+                            f"{input_names()}")
+    _relative_sources(g)
     program.save(str(path), external_data=True)
     return {"inputs": input_names(), "outputs": LAB_OUTPUTS,
             "shapes": {f"{k}.{p}": s for k, (m, src) in shapes.items()

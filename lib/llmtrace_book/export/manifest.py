@@ -85,7 +85,7 @@ def session(d: Path, threads: int = 1, web: dict | str = MANIFEST, graph: str = 
 def listed_files(web: dict) -> list[dict]:
     """Every file a manifest lists: graphs, chunks, the tokenizer's two."""
     return [web["graph"], *web["chunks"], web["tokenizer"], web["tokenizer_config"],
-            *(web[g]["graph"] for g in ("decode", "lens") if g in web)]
+            *(web[g]["graph"] for g in ("decode", "lens", "lab") if g in web)]
 
 
 def verify(d: Path, manifest: str = MANIFEST) -> dict:

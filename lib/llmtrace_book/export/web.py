@@ -19,6 +19,7 @@ from ..errors import LlmTraceError
 from ..model import Model
 from .graph import (DECODE_GRAPH, FP32_DECODE_GRAPH, decode_entry, export_decode, export_lens,
                     export_onnx, share_data)
+from .lab import FP32_LAB_GRAPH, LAB_GRAPH, export_lab, lab_difference
 from .manifest import (FORMAT, FP32_GRAPH, FP32_MANIFEST, GRAPH, INPUT, LOGITS, MANIFEST,
                        TOKENIZER, TOKENIZER_CONFIG, _entry, session, split)
 from .pack import QUANTIZED, quantize_graph
@@ -128,6 +129,12 @@ def _form(model: Model, d: Path, graph: Path, weights: str, head: dict) -> dict:
                                 f"from the library's, over the page's {LOGIT_TOLERANCE:g}")
     measured_decode = {} if decoded is None else {"decode_measured": decoded,
                                                   "decode_steps": DECODE_STEPS}
+    if "lab" in web:
+        lab = lab_difference(model, session(d, web=web, graph="lab"), TOLERANCE_PROMPTS)
+        if lab > LOGIT_TOLERANCE:
+            raise LlmTraceError(f"{model.name}: the {weights} lab graph's logits are {lab:.1e} "
+                                f"from the library's, over the page's {LOGIT_TOLERANCE:g}")
+        measured_decode["lab_measured"] = lab
     return {**web, "tolerance": {"logits": LOGIT_TOLERANCE, "logits_measured": measured,
                                  **measured_decode, "prompts": list(TOLERANCE_PROMPTS)}}
 
@@ -145,16 +152,22 @@ def write_web(model: Model, d: Path, label: str | None = None, blocks: dict | No
             "input": INPUT, "records": records, "logits": LOGITS,
             "config": config_for_page(model), "exported_with": versions()}
     export_decode(model, d / FP32_DECODE_GRAPH)
+    lab = export_lab(model, d / FP32_LAB_GRAPH)
     if blocks is not None:  # before the fp32 data is cut into chunks: it reads that file
         quantize_graph(d / FP32_GRAPH, d / GRAPH, blocks, model)
         quantize_graph(d / FP32_DECODE_GRAPH, d / DECODE_GRAPH, blocks, model)
+        quantize_graph(d / FP32_LAB_GRAPH, d / LAB_GRAPH, blocks, model)
         share_data(d / DECODE_GRAPH, d / GRAPH)
+        share_data(d / LAB_GRAPH, d / GRAPH)
     share_data(d / FP32_DECODE_GRAPH, d / FP32_GRAPH)
+    share_data(d / FP32_LAB_GRAPH, d / FP32_GRAPH)
     lens = export_lens(model, d, quantized=blocks is not None)
     decode = {GRAPH: decode_entry(model, d, DECODE_GRAPH)} if blocks is not None else {}
     decode[FP32_GRAPH] = decode_entry(model, d, FP32_DECODE_GRAPH)
-    with_lens = {g: {**head, "decode": decode[g], **({"lens": lens[g]} if g in lens else {})}
-                 for g in decode}
+    labs = {g: {**lab, "graph": _entry(d / (LAB_GRAPH if g == GRAPH else FP32_LAB_GRAPH))}
+            for g in decode}
+    with_lens = {g: {**head, "decode": decode[g], "lab": labs[g],
+                     **({"lens": lens[g]} if g in lens else {})} for g in decode}
     fp32 = _form(model, d, d / FP32_GRAPH, "fp32", with_lens[FP32_GRAPH])
     web = fp32
     if blocks is not None:
