@@ -295,71 +295,6 @@ def test_the_page_shows_the_trace(page, runs, clicked, embedded):
     assert seen["wide"] <= 0
 
 
-@pytest.mark.parametrize("change, line", [
-    ("cut", "weight chunk {file} is cut short: 1000000 of {size} bytes"),
-    ("alter", "weight chunk {file} was altered: its SHA-256 is"),
-])
-def test_a_cut_or_altered_chunk_is_one_line(page, runs, site, change, line):
-    """A fresh copy of the page's worker loads from a chunk cut short or altered (a copy in
-    place of the hard link); the page's own model goes on working."""
-    browser = page[0]
-    first = manifest()["chunks"][0]
-    line = line.format(**first)
-    chunk = site / WEB / first["file"]
-    data = (HTML / WEB / chunk.name).read_bytes()[: 1_000_000 if change == "cut" else None]
-    chunk.unlink()
-    chunk.write_bytes(data if change == "cut" else bytes([data[0] ^ 1]) + data[1:])
-    try:
-        got = js(browser, """new Promise(done => {
-            const w = new Worker("../_static/your_prompt/worker.mjs", {type: "module"});
-            w.onmessage = e => { if (e.data.id) { w.terminate(); done(e.data.error); } };
-            w.postMessage({id: 1, kind: "load"});
-        })""")
-    finally:
-        chunk.unlink()
-        link(HTML / WEB / chunk.name, chunk)
-    assert got.startswith(line) and "\n" not in got, got
-    assert js(browser, 'llmtrace.run("Hi").then(r => r.ids.length)') == 1
-
-
-def test_no_request_leaves_the_origin(page, runs):
-    browser, url, _ = page
-    seen = browser.requests()
-    assert any(u.endswith("/ort-wasm-simd-threaded.wasm") for u in seen)
-    assert any(u.endswith(f"/{MISSING}") for u in seen)  # the worker's requests are seen
-    outside = [u for u in seen if not u.startswith((url + "/", "data:", "blob:"))]
-    assert not outside, outside
-
-
-def test_a_form_of_weights_the_page_lacks_is_refused_by_name(page, runs):
-    browser, url, _ = page
-    browser.goto(f"{url}/{PAGE}?weights=fp64")
-    got = browser.js("llmtrace.ready.then(() => 'loaded', e => e.message)")
-    assert got.startswith("weights=fp64 in the page's address is not a form this page has: "
-                          "use weights=fp32"), got
-
-
-def test_without_webassembly_the_page_says_so(page, runs):
-    """Last: the page again, in a browser whose pages have no WebAssembly."""
-    browser, url, _ = page
-    browser.call("Page.addScriptToEvaluateOnNewDocument", session=True,
-                 source="delete globalThis.WebAssembly")
-    browser.goto(f"{url}/{PAGE}")
-    got = browser.js("llmtrace.ready.then(() => 'loaded', e => e.message)")
-    assert got.startswith("this browser has no WebAssembly, which runs the model")
-    assert browser.js("document.getElementById('lt-error').textContent") == got
-
-
-def test_opened_from_a_file_the_page_says_to_serve_it(page, runs, site):
-    """Opened from disk, where browsers load no module and no WebAssembly: one line says how to
-    serve the book."""
-    browser = page[0]
-    browser.goto((site / PAGE).as_uri())
-    got = browser.js("document.getElementById('lt-error').textContent")
-    assert got.startswith("this page runs the model with WebAssembly, which browsers do not load "
-                          "from file:// pages: serve the book with `make serve`"), got
-
-
 # --- the lab: chapter 14's interventions in the page -----------------------------------------
 
 CLEAN, CORRUPT = "The capital of France is", "The capital of Germany is"
@@ -489,3 +424,106 @@ def test_a_second_sweep_while_one_runs_is_refused(page, runs):
         return two;
     }})()""", timeout=300)
     assert "one thing at a time" in got.lower() or "already" in got.lower(), got
+
+
+def test_the_lab_on_the_page_intervenes_and_sweeps(page, runs, clicked, embedded):
+    """The lab's own controls: Intervene with the defaults (head 23.4's output, denoising)
+    says the normalized effect; Sweep draws the layer-by-head heatmap, its direction in the
+    title; the record is chosen by layer, then name; a sink is named where a head has one."""
+    browser = page[0]
+    browser.js("document.getElementById('lt-lab-run').click()")
+    text = browser.js("""new Promise(done => { const t = setInterval(() => {
+        const s = document.getElementById('lt-lab-result').textContent;
+        if (s) { clearInterval(t); done(s); } }, 100); })""", timeout=120)
+    assert "normalized" in text and "restored (0: the corrupted run" in text, text
+    browser.js("document.getElementById('lt-lab-sweep-kind').value = 'heads';"
+               "document.getElementById('lt-lab-sweep').click()")
+    title = browser.js("""new Promise(done => { const t = setInterval(() => {
+        const p = document.getElementById('lt-lab-plot');
+        if (p.data && p.data.length) { clearInterval(t); done(p.layout.title.text); } }, 200);
+        })""", timeout=300)
+    assert "denoising" in title and "each head's output" in title, title
+    shape = browser.js("(() => { const z = document.getElementById('lt-lab-plot').data[0].z;"
+                       " return [z.length, z[0].length]; })()")
+    assert shape == [30, 9]
+    layers = browser.js("Array.from(document.getElementById('lt-record-layer').options, "
+                        "o => o.value)")
+    assert layers[0] == "outside the layers" and layers[1:3] == ["layer 0", "layer 1"]
+    # a head with a sink on the shown prompt, found in Python, is named on the page
+    _, trace = embedded.run(clicked)
+    w = torch.stack([trace[f"layers.{l}.attn.weights"][0] for l in range(30)])  # [L, H, T, T]
+    on_first = w[:, :, 1:, 0].mean(-1)  # [L, H]
+    l, h = divmod(int(on_first.flatten().argmax()), w.shape[1])
+    assert on_first[l, h] > 0.5
+    browser.js(f"document.getElementById('lt-attn-layer').value = '{l}';"
+               f"document.getElementById('lt-attn-head').value = '{h}';"
+               "document.getElementById('lt-attn-layer').dispatchEvent(new Event('change'))")
+    note = browser.js("""new Promise(done => setTimeout(() =>
+        done(document.getElementById('lt-attn-note').textContent), 500))""")
+    assert "attention sink" in note and f"{float(on_first[l, h]):.2f}" in note, note
+
+
+@pytest.mark.parametrize("change, line", [
+    ("cut", "weight chunk {file} is cut short: 1000000 of {size} bytes"),
+    ("alter", "weight chunk {file} was altered: its SHA-256 is"),
+])
+def test_a_cut_or_altered_chunk_is_one_line(page, runs, site, change, line):
+    """A fresh copy of the page's worker loads from a chunk cut short or altered (a copy in
+    place of the hard link); the page's own model goes on working."""
+    browser = page[0]
+    first = manifest()["chunks"][0]
+    line = line.format(**first)
+    chunk = site / WEB / first["file"]
+    data = (HTML / WEB / chunk.name).read_bytes()[: 1_000_000 if change == "cut" else None]
+    chunk.unlink()
+    chunk.write_bytes(data if change == "cut" else bytes([data[0] ^ 1]) + data[1:])
+    try:
+        got = js(browser, """new Promise(done => {
+            const w = new Worker("../_static/your_prompt/worker.mjs", {type: "module"});
+            w.onmessage = e => { if (e.data.id) { w.terminate(); done(e.data.error); } };
+            w.postMessage({id: 1, kind: "load"});
+        })""")
+    finally:
+        chunk.unlink()
+        link(HTML / WEB / chunk.name, chunk)
+    assert got.startswith(line) and "\n" not in got, got
+    assert js(browser, 'llmtrace.run("Hi").then(r => r.ids.length)') == 1
+
+
+def test_no_request_leaves_the_origin(page, runs):
+    browser, url, _ = page
+    seen = browser.requests()
+    assert any(u.endswith("/ort-wasm-simd-threaded.wasm") for u in seen)
+    assert any(u.endswith(f"/{MISSING}") for u in seen)  # the worker's requests are seen
+    outside = [u for u in seen if not u.startswith((url + "/", "data:", "blob:"))]
+    assert not outside, outside
+
+
+def test_a_form_of_weights_the_page_lacks_is_refused_by_name(page, runs):
+    browser, url, _ = page
+    browser.goto(f"{url}/{PAGE}?weights=fp64")
+    got = browser.js("llmtrace.ready.then(() => 'loaded', e => e.message)")
+    assert got.startswith("weights=fp64 in the page's address is not a form this page has: "
+                          "use weights=fp32"), got
+
+
+def test_without_webassembly_the_page_says_so(page, runs):
+    """Last: the page again, in a browser whose pages have no WebAssembly."""
+    browser, url, _ = page
+    browser.call("Page.addScriptToEvaluateOnNewDocument", session=True,
+                 source="delete globalThis.WebAssembly")
+    browser.goto(f"{url}/{PAGE}")
+    got = browser.js("llmtrace.ready.then(() => 'loaded', e => e.message)")
+    assert got.startswith("this browser has no WebAssembly, which runs the model")
+    assert browser.js("document.getElementById('lt-error').textContent") == got
+
+
+def test_opened_from_a_file_the_page_says_to_serve_it(page, runs, site):
+    """Opened from disk, where browsers load no module and no WebAssembly: one line says how to
+    serve the book."""
+    browser = page[0]
+    browser.goto((site / PAGE).as_uri())
+    got = browser.js("document.getElementById('lt-error').textContent")
+    assert got.startswith("this page runs the model with WebAssembly, which browsers do not load "
+                          "from file:// pages: serve the book with `make serve`"), got
+

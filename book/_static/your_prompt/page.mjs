@@ -67,7 +67,17 @@ function start_worker() {
     worker = new Worker(url, { type: "module" });
     worker.onmessage = e => {
         const m = e.data;
-        if (m.kind === "progress") return show_status("loading " + m.text);
+        if (m.kind === "progress") {
+            const sweep = /^the sweep: (\d+) of (\d+) runs$/.exec(m.text);
+            if (sweep) {  // the lab's sweep, pass by pass
+                const bar = $("lt-lab-progress");
+                bar.hidden = false;
+                bar.max = Number(sweep[2]);
+                bar.value = Number(sweep[1]);
+                return show_status(m.text);
+            }
+            return show_status("loading " + m.text);
+        }
         const w = waiting.get(m.id);
         waiting.delete(m.id);
         if (m.ok) w.resolve(m.result); else w.reject(new Error(m.error));
@@ -290,9 +300,26 @@ function show_flow(r) {
         rows.push(row(rec));
     }
     flush();
-    const select = $("lt-record-name");
-    select.replaceChildren(...r.records.map(rec => new Option(rec.name, rec.name)));
     if (!r.records.some(rec => rec.name === chosen)) chosen = r.records[1].name;
+    const groups = ["outside the layers"];
+    for (const rec of r.records) {
+        const m = LAYER.exec(rec.name);
+        if (m && !groups.includes(`layer ${m[1]}`)) groups.push(`layer ${m[1]}`);
+    }
+    $("lt-record-layer").replaceChildren(...groups.map(g => new Option(g, g)));
+    $("lt-record-layer").value = group_of(chosen);
+    fill_record_names(r, group_of(chosen));
+}
+
+function group_of(name) {
+    const m = LAYER.exec(name);
+    return m ? `layer ${m[1]}` : "outside the layers";
+}
+
+function fill_record_names(r, group) {
+    const names = r.records.map(x => x.name).filter(n => group_of(n) === group);
+    $("lt-record-name").replaceChildren(...names.map(n => new Option(n, n)));
+    return names;
 }
 
 let plotly = null;
@@ -314,6 +341,10 @@ const FONT = { size: 12 };
 async function show_record(r, name) {
     if (!r || !r.values[name]) return;
     chosen = name;
+    if ($("lt-record-layer").value !== group_of(name)) {
+        $("lt-record-layer").value = group_of(name);
+        fill_record_names(r, group_of(name));
+    }
     $("lt-record-name").value = name;
     const rec = r.records.find(x => x.name === name);
     const v = r.values[name];
@@ -324,7 +355,8 @@ async function show_record(r, name) {
         cell("p", `${name}: ${rec.op}; shape [${rec.shape.join(", ")}], ${v.length} values, ` +
                   `from ${fmt(lo)} to ${fmt(hi)}; norm (root of the sum of squares) ` +
                   fmt(Math.sqrt(sq))),
-        cell("p", `first values: ${first}${v.length > 8 ? ", …" : ""}`, "lt-text"));
+        cell("p", `first values: ${first}${v.length > 8 ? ", …" : ""}`, "lt-text"),
+        cell("p", outlier_line(v)));
     try {
         const Plotly = await with_plotly();
         const finite = Array.from(v).filter(Number.isFinite);
@@ -332,11 +364,30 @@ async function show_record(r, name) {
                                                  marker: { color: "#8c6bb1" } }], {
             height: 260, margin: { l: 60, r: 10, t: 30, b: 45 }, font: FONT,
             title: { text: `${name}: its ${finite.length} finite values`, font: FONT },
-            xaxis: { title: { text: "value" } }, yaxis: { title: { text: "count" } },
+            xaxis: { title: { text: "value" } },
+            yaxis: { title: { text: "count (log scale)" }, type: "log" },
         }, { displaylogo: false, responsive: true });
     } catch (e) {
         show_error(e.message);
     }
+}
+
+// One line on the largest magnitude when it stands far from the typical one: a massive value
+function outlier_line(v) {
+    let big = 0, at = 0;
+    const mags = [];
+    for (let i = 0; i < v.length; i++) {
+        const m = Math.abs(v[i]);
+        if (!Number.isFinite(m)) continue;
+        if (m > big) { big = m; at = i; }
+        if (i % Math.max(1, Math.floor(v.length / 4096)) === 0) mags.push(m);
+    }
+    mags.sort((a, b) => a - b);
+    const median = mags[Math.floor(mags.length / 2)] || 0;
+    if (!(median > 0) || big < 100 * median) return "";
+    return `Its largest magnitude, ${fmt(big)} at flat index ${at}, is ` +
+        `${Math.round(big / median)} times the median one: a massive value, which the ` +
+        "histogram's log scale keeps visible.";
 }
 
 function attention_layers(r) {
@@ -368,6 +419,13 @@ async function show_attention(r) {
     const z = Array.from({ length: T }, (_, q) => Array.from(v.subarray((h * T + q) * S,
                                                                           (h * T + q + 1) * S)));
     const labels = r.pieces.map((p, i) => `${i}: ${visible(p)}`);
+    let on_first = 0;  // the mean weight the later queries put on position 0
+    for (let q = 1; q < T; q++) on_first += z[q][0] / (T - 1);
+    $("lt-attn-note").textContent = T > 1 && on_first > 0.5
+        ? `This head puts ${on_first.toFixed(2)} of its weight, on average over the queries ` +
+          "after the first, on position 0: an attention sink, a place to put weight that " +
+          "carries little (where the answer comes from, chapter 14, measures one)."
+        : "";
     try {
         const Plotly = await with_plotly();
         await Plotly.react("lt-attn-plot", [{
@@ -474,6 +532,89 @@ async function on_run() {
     }
 }
 
+// --- the lab on the page -------------------------------------------------------------------
+
+function lab_options() {
+    const answers = [$("lt-lab-a").value, $("lt-lab-b").value];
+    const o = { prompt: $("lt-lab-clean").value, other: $("lt-lab-other").value,
+                direction: $("lt-lab-direction").value };
+    if (answers.some(a => a !== "")) {
+        if (answers.some(a => a === "")) {
+            throw new Error("give both answers, or neither (each prompt's top token)");
+        }
+        o.answers = answers;
+    }
+    return o;
+}
+
+function lab_site() {
+    const int = (id, what) => {
+        const s = $(id).value.trim();
+        if (!/^\d+$/.test(s)) throw new Error(`${what} must be a whole number, got "${s}"`);
+        return Number(s);
+    };
+    const kind = $("lt-lab-kind").value;
+    const site = { kind, layer: int("lt-lab-layer", "the layer"), source: $("lt-lab-source").value };
+    if (kind === "heads" || kind === "pattern") site.head = int("lt-lab-head", "the head");
+    const pos = $("lt-lab-position").value.trim();
+    site.position = pos === "" || pos === "all" ? "all" : int("lt-lab-position", "the position");
+    return site;
+}
+
+function effect_words(direction) {
+    return direction === "noise" ? "removed (0: the clean run, 1: the corrupted one)"
+        : "restored (0: the corrupted run, 1: the clean one)";
+}
+
+async function on_lab_run() {
+    if (busy) return show_error(BUSY);
+    show_error("");
+    try {
+        const o = { ...lab_options(), interventions: [lab_site()] };
+        const r = await intervene(o);
+        const rows = r.top.map((t, i) => [i + 1, visible(t.piece), t.id, t.prob.toFixed(4)]);
+        $("lt-lab-result").replaceChildren(
+            cell("p", `Answers ${visible(r.answer_pieces[0])} against ` +
+                      `${visible(r.answer_pieces[1])}: their logit difference is ${fmt(r.m)} ` +
+                      `(clean ${fmt(r.m_clean)}, corrupted ${fmt(r.m_corrupt)}); normalized, ` +
+                      `${fmt(r.normalized, 3)} ${effect_words(r.direction)}.`),
+            table(["rank", "piece", "id", "probability"], rows));
+    } catch (e) {
+        show_error(e.message);
+    }
+}
+
+async function on_lab_sweep() {
+    if (busy) return show_error(BUSY);
+    show_error("");
+    const bar = $("lt-lab-progress");
+    try {
+        const kind = $("lt-lab-sweep-kind").value;
+        const r = await sweep({ ...lab_options(), kind });
+        const ids = await ask("encode", { text: $("lt-lab-clean").value });
+        const cols = kind === "resid"
+            ? ids.map((_, i) => `position ${i}`) : Array.from({ length: r.cols }, (_, h) => `head ${h}`);
+        const z = Array.from({ length: r.rows }, (_, l) => r.values.slice(l * r.cols, (l + 1) * r.cols));
+        const Plotly = await with_plotly();
+        await Plotly.react("lt-lab-plot", [{
+            type: "heatmap", z, x: cols, y: z.map((_, l) => `layer ${l}`), colorscale: "RdBu",
+            zmid: 0, hovertemplate: "%{y}, %{x}<br>effect %{z:.3f}<extra></extra>",
+            colorbar: { title: { text: "effect" } },
+        }], {
+            height: 160 + 18 * r.rows, font: FONT, margin: { l: 70, r: 10, t: 50, b: 80 },
+            title: { text: `${kind === "resid" ? "the stream into each layer" : "each head's output"}` +
+                           `, ${r.direction === "noise" ? "noising" : "denoising"}: the effect ` +
+                           effect_words(r.direction), font: FONT },
+            xaxis: { title: { text: kind === "resid" ? "position patched" : "head patched" } },
+            yaxis: { title: { text: "layer" }, autorange: "reversed" },
+        }, { displaylogo: false, responsive: true });
+    } catch (e) {
+        show_error(e.message);
+    } finally {
+        bar.hidden = true;
+    }
+}
+
 function setup() {
     $("lt-max-new").max = MAX_NEW_TOKENS;
     $("lt-max-new-limit").textContent = String(MAX_NEW_TOKENS);
@@ -482,6 +623,13 @@ function setup() {
         if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) on_run();
     });
     $("lt-record-name").onchange = () => show_record(shown, $("lt-record-name").value);
+    $("lt-record-layer").onchange = () => {
+        if (!shown) return;
+        const names = fill_record_names(shown, $("lt-record-layer").value);
+        if (names.length) show_record(shown, names[0]);
+    };
+    $("lt-lab-run").onclick = on_lab_run;
+    $("lt-lab-sweep").onclick = on_lab_sweep;
     $("lt-attn-layer").onchange = () => show_attention(shown);
     $("lt-attn-head").onchange = () => show_attention(shown);
     llmtrace.ready = load();
