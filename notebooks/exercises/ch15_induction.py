@@ -31,6 +31,24 @@ def repeated_weights(model, B: int = 4, R: int = 10):
     return s["repeated"]
 
 
+def two_batches(model, B: int = 4, R: int = 10) -> dict:
+    """Two more seeded batches of B sequences of R random tokens, twice each, traced in one pass:
+    each layer's head outputs and streams, [2B, ...]; the first batch is a run, the second the
+    runs a mean is taken over (made once per model)."""
+    s = store(model)
+    if "two_batches" not in s:
+        c = model.config
+        g = torch.Generator().manual_seed(1)
+        runs = [torch.randint(min(1000, c.vocab_size // 2), c.vocab_size, (B, R), generator=g)
+                for _ in range(2)]
+        names = ([f"layers.{l}.attn.weighted_sum" for l in range(c.n_layers)]
+                 + [f"layers.{l}.resid_out" for l in range(c.n_layers)] + ["embed"])
+        trace = Trace(names=names)
+        model.forward(torch.cat([torch.cat([r, r], 1) for r in runs]), trace)
+        s["two_batches"] = {n: trace[n] for n in names}
+    return s["two_batches"]
+
+
 @exercise(15, induction_score)
 def _(model) -> Case:
     W, R = repeated_weights(model)  # [L, B, H, 2R, 2R]
@@ -70,21 +88,10 @@ def keep_only(z: torch.Tensor, mean_z: torch.Tensor, keep: list) -> torch.Tensor
 
 @exercise(15, keep_only)
 def _(model) -> Case:
-    s = store(model)
-    if "repeated_z" not in s:
-        g = torch.Generator().manual_seed(1)
-        V = model.config.vocab_size
-        B, R = 4, 10
-        low = min(1000, V // 2)
-        runs = [torch.randint(low, V, (B, R), generator=g) for _ in range(2)]
-        trace = Trace(names=["layers.*.attn.weighted_sum"])
-        model.forward(torch.cat([torch.cat([r, r], 1) for r in runs]), trace)
-        s["repeated_z"] = {f"layers.{l}.attn.weighted_sum": trace[f"layers.{l}.attn.weighted_sum"]
-                           for l in range(model.config.n_layers)}
     W, R = repeated_weights(model)
     diag = torch.diagonal(W[..., R:, 1:R + 1], dim1=-2, dim2=-1).mean((1, -1))  # [L, H]
     layer = int(diag.max(-1).values.argmax())  # the strongest induction head's layer
-    z_all = s["repeated_z"][f"layers.{layer}.attn.weighted_sum"]  # [2B, H, T, hd]
+    z_all = two_batches(model)[f"layers.{layer}.attn.weighted_sum"]  # [2B, H, T, hd]
     half = z_all.shape[0] // 2
     z, mean_z = z_all[:half], z_all[half:].mean(0)  # this run; the other runs' mean
     H = z.shape[1]
@@ -118,18 +125,7 @@ def key_without(x_in: torch.Tensor, head_out: torch.Tensor, head_mean: torch.Ten
 @exercise(15, key_without)
 def _(model) -> Case:
     c, w = model.config, model.weights
-    s = store(model)
-    if "repeated_streams" not in s:
-        g = torch.Generator().manual_seed(1)
-        V, B, R = c.vocab_size, 4, 10
-        low = min(1000, V // 2)
-        runs = [torch.randint(low, V, (B, R), generator=g) for _ in range(2)]
-        names = ([f"layers.{l}.attn.weighted_sum" for l in range(c.n_layers)]
-                 + [f"layers.{l}.resid_out" for l in range(c.n_layers)] + ["embed"])
-        trace = Trace(names=names)
-        model.forward(torch.cat([torch.cat([r, r], 1) for r in runs]), trace)
-        s["repeated_streams"] = {n: trace[n] for n in names}
-    acts = s["repeated_streams"]
+    acts = two_batches(model)
     W, R = repeated_weights(model)
     T, H, hd, D = 2 * R, c.n_heads, c.head_dim, c.hidden_size
     i = torch.arange(1, T)
