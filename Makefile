@@ -2,7 +2,9 @@
 # make test: install everything from nothing; run the tests and every chapter under nbval; then build
 #   the HTML from the outputs nbval has just proven current (no second execution) and check it in a
 #   browser.
-# make bench: speed and memory, measured (bench/); writes .cache/bench.json, which the cost chapter shows.
+# make bench: speed and memory, measured (bench/); writes .cache/bench.json, which the cost chapter shows,
+#   the page's figures (.cache/page.json) and the streamed layers beside HF's disk offload
+#   (.cache/stream.json, on a 6.4 GB checkpoint of Llama-3.2-3B's shapes written once into .cache/).
 # make bench-peers: the full trace beside TransformerLens and nnsight, in a venv of their own
 #   (.venv-bench, requirements-bench.txt); writes .cache/peers.json, which the cost chapter shows.
 # make test-wheel: the library's wheel, installed as a user would, in a fresh venv (test-variants runs it).
@@ -173,6 +175,7 @@ serve:
 bench: setup browser
 	$(PY) -m bench.bench
 	$(PY) -m bench.page
+	$(PY) -m bench.stream
 
 # llmtrace beside TransformerLens and nnsight (bench/peers.py), in a venv of their own built from
 # nothing as the main one is (torch through pip, which finds the CPU wheel; the rest through uv):

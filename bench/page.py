@@ -9,7 +9,8 @@ profile opens the page once and the figures are read from the page's own timings
 downloaded) and /proc (the peak resident memory of the tab's renderer process, where its workers
 run too). Python's figures come from a child process on the same threads: `load_model`,
 `model.run` (the whole trace), `generate` and its peak resident memory. Each line prints its
-target and the page's figure over Python's.
+target and the page's figure over Python's, and the figures are kept in the cache's page.json,
+which the cost chapter shows.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+from llmtrace_book.disk_cache import atomic_path, cache_dir
+
+from .bench import provenance
 from .serve import ROOT, serve
 
 HTML = ROOT / "_build" / "html"
@@ -193,7 +197,18 @@ def main(argv=None):
     threads = page["threads"]
     py = python_figures(threads)
     print(report(page, py, not args.single_thread, threads))
-    print(f"(took {time.time() - started:.0f} s)")
+    save({**page, "python": py, "isolated": not args.single_thread, **provenance()})
+    print(f"(took {time.time() - started:.0f} s; the figures are in {default_path()})")
+
+
+def default_path() -> Path:
+    """Where the page's figures are kept: page.json in the cache, beside bench.json."""
+    return cache_dir() / "page.json"
+
+
+def save(figures: dict) -> None:
+    with atomic_path(default_path()) as tmp:
+        tmp.write_text(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":

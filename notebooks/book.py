@@ -64,7 +64,7 @@ def model_label(model: Model, short: bool = False) -> str:
         return model.label
     if name == EMBEDDED:
         return f"{FULL_NAMES[EMBEDDED]}, Q4_1 weights in fp32"
-    return FULL_NAMES.get(name, name)
+    return f"{FULL_NAMES.get(name, name)}, weights in {str(model.dtype).removeprefix('torch.')}"
 
 
 def readable_piece(tokenizer, i: int) -> str:
@@ -340,7 +340,9 @@ def start_chapter(stage: str | list[str] | None = None, name: str | None = None,
     TinyLlama card that `tinyllama_card` shows where the chapter places it; `decode_stage` adds
     the records of its first decode step. Returns (model, TinyLlama's prefill shape trace)."""
     use_book_style()
-    model = load_model(resolve(name))
+    # fp32 on the CPU whatever the checkpoint stores: the chapters' checks are fp32's, and their
+    # printed digits must not depend on the machine
+    model = load_model(resolve(name), dtype="float32", device="cpu")
     say(banner_text(model))
     prefill, decode = tinyllama_walk()
     _chapter.update(stage=stage, decode_stage=decode_stage, model=model, prefill=prefill,
@@ -544,6 +546,12 @@ def _plotly_to_matplotlib(fig, plt, np):
         ax.set_title(title)
     ax.set_xlabel(fig.layout.xaxis.title.text or "")
     ax.set_ylabel(fig.layout.yaxis.title.text or "")
+    for axis, scale, limits in ((fig.layout.xaxis, ax.set_xscale, ax.set_xlim),
+                                (fig.layout.yaxis, ax.set_yscale, ax.set_ylim)):
+        if axis.type == "log":  # as plotly draws it; its range is in powers of ten
+            scale("log")
+            if axis.range is not None:
+                limits(*(10.0 ** r for r in axis.range))
     if fig.layout.yaxis.autorange == "reversed" and not any(t.type == "heatmap" for t in traces):
         ax.invert_yaxis()
     mfig.tight_layout()

@@ -117,9 +117,18 @@ def test_after_the_chunk_is_back_the_next_run_works(runs, page):
     assert first["timings"]["load_ms"] > 0 and len(first["records"]) > 100
     status = browser.js("document.getElementById('lt-status').textContent")
     assert status.startswith("ready:")
-    # the page states which weights run and the tolerance its logits are checked to
-    stated = browser.js("[llmtrace.info.weights, String(llmtrace.info.tolerance.logits)]")
-    assert f"weights {stated[0]}" in status and f"within {stated[1]} of the book's" in status
+    # the line says in words which weights run and how closely; the figures are folded below
+    stated = js(browser, "[llmtrace.info.model, llmtrace.info.weights, llmtrace.info.weights_in_"
+                         "words, String(llmtrace.info.tolerance.logits)]")
+    model, weights, in_words, tolerance = stated
+    assert in_words and in_words != weights and "MatMulNBits" not in status
+    assert status.startswith(f"ready: {model} runs in this page, {in_words}"), status
+    assert f"to within {tolerance}" in status, status
+    details = browser.js("[document.getElementById('lt-status-details').hidden, "
+                         "document.getElementById('lt-status-details').open, "
+                         "document.getElementById('lt-details').textContent]")
+    assert details[:2] == [False, False], details  # shown, folded
+    assert f"weights {weights}" in details[2] and f"within {tolerance} of the book's" in details[2]
 
 
 @pytest.mark.parametrize("prompt", list(PROMPTS))
@@ -293,6 +302,59 @@ def test_the_page_shows_the_trace(page, runs, clicked, embedded):
     assert seen["folds"] == embedded.config.n_layers and seen["rows"] == n_records
     assert seen["histogram"] and seen["attention"] and seen["lens"] and seen["redrawn"]
     assert seen["wide"] <= 0
+
+
+def test_the_map_lights_the_chosen_record(page, runs, clicked):
+    """Every record of the trace sits on the map's stages; a record chosen in the data flow
+    lights its stage in its layer and links its chapter; a stage pressed opens its first
+    record in that layer; a record outside the layers lights its stage outside the frame."""
+    browser = page[0]
+    names = [r["name"] for r in runs[clicked]["records"]]
+    off_map = js(browser, f"""import(new URL("../_static/your_prompt/map.mjs", location.href)
+        .href).then(m => {json.dumps(names)}.filter(n => m.stage_of(n) === null))""")
+    assert off_map == []
+    seen = js(browser, """(async () => {
+        const el = id => document.getElementById(id);
+        const wait = () => new Promise(r => setTimeout(r, 300));
+        const lit = () => Array.from(el("lt-map").querySelectorAll(".lt-lit"),
+                                     b => b.dataset.stage);
+        const state = () => ({lit: lit(), record: el("lt-record-name").value,
+            layer: el("lt-record-layer").value,
+            frame: el("lt-map").querySelector(".lt-map-layer-title").textContent,
+            link: el("lt-map-line").querySelector("a")?.getAttribute("href") ?? null});
+        Array.from(el("lt-flow").querySelectorAll("a"))
+            .find(a => a.textContent === "layers.3.attn.rope_q").click();
+        await wait();
+        const from_flow = state();
+        el("lt-map").querySelector(".lt-map-layer [data-stage=mlp]").click();
+        await wait();
+        const from_map = state();
+        el("lt-map").querySelector("[data-stage=lm_head]").click();
+        await wait();
+        return [from_flow, from_map, state()];
+    })()""")
+    flow, mapped, head = seen
+    assert flow["lit"] == ["rope"] and flow["record"] == "layers.3.attn.rope_q", flow
+    assert flow["frame"].startswith("layer 3 (of 30") and flow["link"].endswith("05_rope.html")
+    assert (HTML / "notebooks" / "05_rope.html").is_file()
+    assert mapped["lit"] == ["mlp"] and mapped["record"] == "layers.3.mlp.gate", mapped
+    assert mapped["link"].endswith("07_ffn.html") and mapped["layer"] == "layer 3"
+    assert head["lit"] == ["lm_head"] and head["record"] == "lm_head", head
+    assert head["layer"] == "outside the layers" and head["link"].endswith("09_lm_head.html")
+
+
+def test_every_view_links_the_chapter_that_teaches_it(page, runs):
+    """Each section of the page links at least one chapter, and every chapter it links exists."""
+    sections = js(page[0], """Array.from(document.querySelectorAll("section"))
+        .filter(s => s.querySelector(":scope > h2")).map(s => [
+            s.querySelector(":scope > h2").textContent.replace("#", "").trim(),
+            Array.from(s.querySelectorAll("a[href*='notebooks/']"), a => a.getAttribute("href")
+                .split("#")[0])])""")
+    assert len(sections) >= 8, sections
+    for title, links in sections:
+        assert links, f"the section {title!r} links no chapter"
+        for href in links:
+            assert (HTML / "book" / href).resolve().is_file(), (title, href)
 
 
 # --- the lab: chapter 14's interventions in the page -----------------------------------------

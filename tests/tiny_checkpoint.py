@@ -272,8 +272,9 @@ def hf_config(family: str, **overrides):
 
 
 def make_tiny_checkpoint(directory: str | Path, seed: int = 0, family: str = "llama",
-                         **overrides) -> Path:
-    """Write config.json, model.safetensors, tokenizer.model and tokenizer_config.json."""
+                         dtype=None, **overrides) -> Path:
+    """Write config.json, model.safetensors, tokenizer.model and tokenizer_config.json; the
+    weights in fp32, or rounded to `dtype` (torch.bfloat16, torch.float16) as HF saves them."""
     import torch
     import transformers
 
@@ -296,6 +297,8 @@ def make_tiny_checkpoint(directory: str | Path, seed: int = 0, family: str = "ll
                 b.uniform_(0.5, 1.5)
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias, 0 in HF
                 b.normal_(0.0, 0.05)  # choosing, not overriding, the scores
+    if dtype is not None:
+        model = model.to(dtype)
     model.save_pretrained(d, safe_serialization=True)
     if config.vocab_size == 32000:
         shutil.copy(build(fetch=False), d / "tokenizer.model")

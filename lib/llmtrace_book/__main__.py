@@ -28,6 +28,14 @@ def parse_args(argv):
     p.add_argument("--model", default=None,
                    help="auto (default, or $LLMTRACE_MODEL), embedded, tinyllama, "
                    "a HF directory or a .gguf file")
+    p.add_argument("--dtype", default=None,
+                   help="the dtype to run in: float32, bfloat16, float16 (default: the "
+                        "checkpoint's own; the embedded model's is float32)")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda, cuda:N or mps (default: a GPU if there is one, else cpu)")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="read each layer from disk as the pass reaches it (--no-stream: hold "
+                        "the whole model; default: stream only when the whole does not fit)")
     p.add_argument("--max-new-tokens", type=int, default=20)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
@@ -72,10 +80,17 @@ def check_args(args) -> None:
     if args.lens and args.shapes_only:
         raise LlmTraceError("--lens needs values and --shapes-only has none: drop one of the two")
     if args.shapes_only:
+        given = [f for f, v in (("--dtype", args.dtype), ("--device", args.device),
+                                ("--stream", args.stream)) if v is not None]
+        if given:
+            raise LlmTraceError(f"{given[0]} chooses how weights run, and --shapes-only has "
+                                f"none: drop one of the two")
         shapes_config(args.model)
     else:
-        from .load import check_name, resolve
+        from .load import check_device, check_dtype, check_name, resolve
 
+        check_dtype(args.dtype)
+        check_device(args.device)
         check_name(resolve(args.model))
 
 
@@ -155,14 +170,15 @@ def run_live(args) -> dict:
     from .load import load_model
     from .tokenize import display_piece
 
-    model = load_model(args.model)
+    model = load_model(args.model, args.dtype, args.device, args.stream)
     # the CLI prints the prefill's shapes and logits: no values (but the lens's), no later steps
     # (flat memory)
     tracing = Tracing(keep_values=args.lens, names=keeps_stream, steps=1)
     g = generate(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                  args.seed, trace=tracing)
     tok = model.tokenizer
-    out = {"model": model.name, "source": model.source, "config": model.config.to_dict(),
+    out = {"model": model.name, "source": model.source, "runs": model.runs,
+           "config": model.config.to_dict(),
             "input_ids": g.prompt_ids,
             "input_pieces": [display_piece(tok, i) for i in g.prompt_ids],
             "trace": g.steps[0], "generation": g,
@@ -228,7 +244,8 @@ def render(args, out: dict) -> str:
                                 "write: run without --json to see where") from None
     c = out["config"]
     pieces = list(zip(out["input_ids"], out["input_pieces"]))
-    lines = [safe(f"model: {out['model']} ({out['source']}): {c['n_layers']} layers, "
+    runs = f"; {out['runs']}" if out.get("runs") else ""  # shapes only: no weights run
+    lines = [safe(f"model: {out['model']} ({out['source']}{runs}): {c['n_layers']} layers, "
                   f"hidden {c['hidden_size']}, heads {c['n_heads']}/{c['n_kv_heads']}, "
                   f"vocab {c['vocab_size']}"),
              "input: " + " ".join(f"{i}:{p!r}" for i, p in pieces), ""]

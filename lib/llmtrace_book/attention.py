@@ -65,6 +65,26 @@ class Positions:
                         config.rope_scaling)  # [T, hd] each: `rope.rope_cos_sin`
         return cls(start, cos, sin, causal_mask(T, start + T, start, device))
 
+    def to(self, dtype: torch.dtype, _done: dict | None = None) -> "Positions":
+        """The tables and masks in the weights' dtype: computed in fp32, then rounded, as HF
+        does (a bf16 or fp16 model). In fp32, itself. What `more` holds is cast too (a kind's
+        own tables may be these very ones, or share their `more`: each is cast once)."""
+        if self.cos.dtype == dtype:
+            return self
+        done = {} if _done is None else _done
+        if id(self) in done:
+            return done[id(self)]
+        out = done[id(self)] = Positions(self.start, self.cos.to(dtype), self.sin.to(dtype),
+                                         self.mask.to(dtype))
+        more = done.setdefault(id(self.more), {})
+        out.more = more
+        for k, v in self.more.items():
+            if k not in more:
+                more[k] = (v.to(dtype, done) if isinstance(v, Positions) else
+                           v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                           else v)
+        return out
+
 
 class Attention(Part):
     """One layer's grouped-query attention: x [B, T, D] -> [B, T, D]. Each step takes what any

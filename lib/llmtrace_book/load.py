@@ -6,6 +6,12 @@
 - "auto": TinyLlama when its weights are present, else the embedded model.
 - a path: a Hugging Face model directory, or a .gguf file.
 The environment variable LLMTRACE_MODEL sets the default for `load_model()` with no argument.
+
+A model runs in the dtype its checkpoint stores (bf16, fp16, fp32; a GGUF file's blocks are
+dequantized to fp32), or in the one `dtype` names; on `device` (default: a CUDA GPU if there is
+one, else Apple's MPS, else the CPU). Before a checkpoint is read, what its weights need is
+weighed against the memory available: when the whole does not fit, its layers are streamed from
+disk (`weights.stream`), and when that does not fit either, the load is refused in one line.
 """
 
 from __future__ import annotations
@@ -15,11 +21,64 @@ import os
 import threading
 from pathlib import Path
 
+import torch
+
 from .errors import LlmTraceError
 from .model import Model, weights_from_state_dict
 
 CHOICES = ("auto", "embedded", "tinyllama")
 TINYLLAMA = "tinyllama-1.1b"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+DEVICES = ("cpu", "cuda", "mps")
+
+
+def check_dtype(dtype) -> torch.dtype | None:
+    """The dtype asked for: None (or "auto") for the checkpoint's own; a name ("bfloat16",
+    "bf16", "float16", "fp16", "half", "float32", "fp32") or a torch dtype of those three."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.strip().lower() in DTYPES:
+        return DTYPES[dtype.strip().lower()]
+    raise LlmTraceError(f"dtype {dtype!r} is not one llmtrace runs: use float32, bfloat16 or "
+                        f"float16 (or leave it out for the checkpoint's own)")
+
+
+def best_device() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    mps = getattr(torch.backends, "mps", None)
+    return "mps" if mps is not None and mps.is_available() else "cpu"
+
+
+def check_device(device) -> torch.device:
+    """The device asked for (None: `best_device`), refused by name if it is not cpu, cuda[:N]
+    or mps, or if this machine has no such device."""
+    if device is None:
+        return torch.device(best_device())
+    try:
+        d = torch.device(device.strip() if isinstance(device, str) else device)
+    except (RuntimeError, TypeError, ValueError):
+        d = None
+    if d is None or d.type not in DEVICES:
+        hint = " (the meta device has shapes only: use meta_model)" if d is not None \
+            and d.type == "meta" else ""
+        raise LlmTraceError(f"device {device!r} is not one llmtrace runs on: use cpu, cuda, "
+                            f"cuda:N or mps{hint}")
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise LlmTraceError(f"device {device!r}: this machine has no CUDA GPU that PyTorch "
+                            f"can use (torch.cuda.is_available() is False): use device='cpu'")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise LlmTraceError(f"device {device!r}: this machine has {torch.cuda.device_count()} "
+                            f"CUDA GPU(s), numbered from 0")
+    if d.type == "mps" and not (getattr(torch.backends, "mps", None)
+                                and torch.backends.mps.is_available()):
+        raise LlmTraceError(f"device {device!r}: Apple's MPS is not available here: use "
+                            f"device='cpu'")
+    return d
 
 
 def embedded_checkpoint(rebuild: bool = False) -> Path:
@@ -78,22 +137,78 @@ def _load_embedded() -> Model:
     return _embedded
 
 
-def _load_path(path: Path, name: str | None = None) -> Model:
+def _load_path(path: Path, name: str | None = None, dtype=None, device=None, stream=None,
+               source: str | None = None) -> Model:
+    device = check_device(device)
     if path.is_dir():
-        from .weights.hf import load_hf
-
-        config, sd, tok = load_hf(path, name=name)
-    elif path.is_file() and path.suffix.lower() == ".gguf":
+        return _load_directory(path, name, dtype, device, stream, source)
+    if path.is_file() and path.suffix.lower() == ".gguf":
         from .weights.gguf import load_gguf
 
+        if stream:
+            raise LlmTraceError(f"{path}: a GGUF file is dequantized whole, not streamed: "
+                                f"leave stream out, or convert it to a Hugging Face directory")
         config, sd, tok = load_gguf(path, name=name or path.stem)
-    elif path.is_file():
+        sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
+        model = Model(config, weights_from_state_dict(config, sd, str(path)), tok,
+                      source=str(source or path))
+        model.runs = f"{str(model.dtype).removeprefix('torch.')} (dequantized), on {device}"
+        return model
+    if path.is_file():
         raise LlmTraceError(f"{path} is a file but not a .gguf one: point at a .gguf file or at a "
                             f"Hugging Face model directory")
+    raise LlmTraceError(f"{path} is neither a regular file nor a directory: point at a .gguf "
+                        f"file or a Hugging Face model directory")
+
+
+def _ran(dtype: torch.dtype, stored: torch.dtype, device: torch.device,
+         streamed: bool = False) -> str:
+    """What runs, for banners: "bfloat16 as stored, on cpu" or "float32 (stored bfloat16)"."""
+    name = str(dtype).removeprefix("torch.")
+    kept = "as stored" if dtype == stored else f"(stored {str(stored).removeprefix('torch.')})"
+    return f"{name} {kept}, on {device}" + (", layers streamed from disk" if streamed else "")
+
+
+def _load_directory(path: Path, name, dtype, device: torch.device, stream, source) -> Model:
+    """A Hugging Face directory, whole or streamed (`memory.choose_streaming`)."""
+    from .memory import choose_streaming
+    from .weights.hf import headers, load_hf, read_config, stored_dtype, used
+    from .weights.stream import stream_hf
+
+    _, config = read_config(path, name)
+    entries = headers(path)
+    stored = stored_dtype(entries)
+    runs = dtype or stored
+    whole, streamed = weights_bytes(entries, used(entries, config, path), dtype)
+    halved = {torch.float32: "bfloat16"}.get(runs)
+    streaming = choose_streaming(f"{path} in {str(runs).removeprefix('torch.')}", whole,
+                                 streamed, stream, halved, device)
+    if streaming:
+        config, w, tok = stream_hf(path, name, dtype, device)
     else:
-        raise LlmTraceError(f"{path} is neither a regular file nor a directory: point at a .gguf "
-                            f"file or a Hugging Face model directory")
-    return Model(config, weights_from_state_dict(config, sd, str(path)), tok, source=str(path))
+        config, sd, tok = load_hf(path, name, dtype, device)
+        w = weights_from_state_dict(config, sd, str(path))
+    model = Model(config, w, tok, source=str(source or path))
+    model.runs = _ran(runs, stored, device, streaming)
+    return model
+
+
+def weights_bytes(entries: dict, names, dtype=None) -> tuple[int, int]:
+    """Bytes the tensors `names` take in memory in `dtype` (None: as stored): whole, and
+    streamed (everything outside the layers, and the two largest layers)."""
+    from .weights.hf import TORCH_DTYPES
+
+    tables, layers = 0, {}
+    for k in names:
+        t = entries[k][1]
+        n = math.prod(t["shape"]) * (dtype or TORCH_DTYPES[t["dtype"]]).itemsize
+        parts = k.split(".")
+        if k.startswith("model.layers.") and parts[2].isdigit():
+            layers[parts[2]] = layers.get(parts[2], 0) + n
+        else:
+            tables += n
+    two = sum(sorted(layers.values())[-2:])
+    return tables + sum(layers.values()), tables + two
 
 
 def resolve(name: str | None = None) -> str:
@@ -138,19 +253,32 @@ def check_tinyllama(directory: Path) -> None:
                             f"LLMTRACE_TINYLLAMA at TinyLlama, or pass the directory as --model")
 
 
-def load_model(name: str | os.PathLike | None = None) -> Model:
-    """A model by name (auto, embedded, tinyllama) or by path (a HF directory, a .gguf file)."""
+def load_model(name: str | os.PathLike | None = None, dtype=None, device=None,
+               stream: bool | None = None) -> Model:
+    """A model by name (auto, embedded, tinyllama) or by path (a HF directory, a .gguf file).
+    dtype: the checkpoint's own (None), or float32, bfloat16, float16. device: cpu, cuda[:N],
+    mps (None: the best there is). stream: its layers read from disk as the pass reaches them
+    (True), held whole (False), or streamed only when the whole does not fit (None)."""
     choice = resolve(name)
-    if choice == "embedded":
-        return _load_embedded()
+    dtype = check_dtype(dtype)
+    if stream not in (None, True, False):
+        raise LlmTraceError(f"stream must be True, False or None (stream only if the whole does "
+                            f"not fit), got {stream!r}")
     if choice in ("tinyllama", "auto"):
         from .weights.hub import find_tinyllama
 
         directory = find_tinyllama(required=(choice == "tinyllama"))
         if directory is not None:
             check_tinyllama(directory)
-            return _load_path(directory, name=TINYLLAMA)
-        return _load_embedded()
+            return _load_path(directory, TINYLLAMA, dtype, device, stream)
+        choice = "embedded"
+    if choice == "embedded":
+        if dtype in (None, torch.float32) and check_device(device).type == "cpu" and not stream:
+            return _load_embedded()
+        from .weights.gguf import EMBEDDED_FILE
+
+        return _load_path(embedded_checkpoint(), "smollm2-135m-instruct", dtype, device, stream,
+                          source=f"embedded: {EMBEDDED_FILE}, dequantized to fp32 and cached")
     check_name(choice)
-    return _load_path(Path(choice).expanduser())
+    return _load_path(Path(choice).expanduser(), None, dtype, device, stream)
 

@@ -43,7 +43,25 @@ TRIM_THRESHOLD = 2**30
 
 
 # --- the budget ----------------------------------------------------------------------------
-def available_memory() -> int | None:
+def available_memory(device=None) -> int | None:
+    """Bytes this process may still take: on a GPU, what its driver says is free; on the CPU,
+    the least of the machine's available memory, the room left under this process's limits
+    (RLIMIT_DATA on its data and mapped files, RLIMIT_AS on its address space) and under its
+    cgroup's memory.max. None: unknown."""
+    if device is not None and torch_device_type(device) == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info(device)[0]
+    rooms = [machine_available(), *limits_room(), cgroup_room()]
+    rooms = [r for r in rooms if r is not None]
+    return max(0, min(rooms)) if rooms else None
+
+
+def torch_device_type(device) -> str:
+    return device.type if hasattr(device, "type") else str(device).split(":")[0]
+
+
+def machine_available() -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -55,6 +73,74 @@ def available_memory() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def limits_room() -> list[int]:
+    """The room under RLIMIT_DATA (counted against VmData) and RLIMIT_AS (against VmSize)."""
+    try:
+        import resource
+
+        status = open("/proc/self/status").read()
+    except (ImportError, OSError):
+        return []
+    used = {k: int(v) * 1024 for k, v in re.findall(r"^(VmData|VmSize):\s+(\d+) kB", status,
+                                                     re.MULTILINE)}
+    rooms = []
+    for limit, field in ((resource.RLIMIT_DATA, "VmData"), (resource.RLIMIT_AS, "VmSize")):
+        soft = resource.getrlimit(limit)[0]
+        if soft != resource.RLIM_INFINITY and field in used:
+            rooms.append(soft - used[field])
+    return rooms
+
+
+def cgroup_room() -> int | None:
+    """memory.max less memory.current of this process's cgroup (v2), if it sets a limit."""
+    try:
+        path = open("/proc/self/cgroup").read().strip().split("::")[-1]
+        base = f"/sys/fs/cgroup{path.rstrip('/')}"
+        limit = open(f"{base}/memory.max").read().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int(open(f"{base}/memory.current").read())
+    except (OSError, ValueError):
+        return None
+
+
+RESERVE = 256 * 2**20  # kept free beside the weights: a pass's activations, the libraries
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n < 10 * 2**30 else f"{n / 2**30:.0f} GiB"
+
+
+def choose_streaming(what: str, whole: int, streamed: int, stream: bool | None,
+                     halved: str | None, device=None) -> bool:
+    """Whether to stream the layers of a model whose weights take `whole` bytes in memory,
+    or `streamed` a layer at a time: as asked (stream True or False), or, asked nothing, only
+    when the whole does not fit. Refused in one line, before anything is read, when the mode
+    asked for (or, asked nothing, every mode) does not fit what is available; the line names
+    the modes that would. halved: the name of a dtype half as wide, if there is one."""
+    room = available_memory(device)
+    if room is None:
+        return bool(stream)
+    room -= RESERVE
+    fits_whole, fits_streamed = whole <= room, streamed <= room
+    if stream is None and (fits_whole or fits_streamed):
+        return not fits_whole
+    if stream is not None and (fits_streamed if stream else fits_whole):
+        return bool(stream)
+    ways = []
+    if fits_streamed and not stream:
+        ways.append("stream the layers from disk (stream=True, --stream)")
+    if halved and (whole // 2 <= room or (stream is not False and streamed // 2 <= room)):
+        ways.append(f"load it in {halved} (dtype={halved!r}, --dtype {halved})")
+    how = ("; ".join(ways) if ways else "not even a layer at a time fits: free memory, or use a "
+           "machine with more")
+    asked = ("streamed" if stream else "whole") if stream is not None else "whole or streamed"
+    raise LlmTraceError(f"{what} will not fit in memory ({asked}): its weights take "
+                        f"{gib(whole)} whole, {gib(streamed)} streamed (the tables and two "
+                        f"layers), and this process has {gib(max(room + RESERVE, 0))} "
+                        f"available, {gib(RESERVE)} of it kept for the pass: {how}")
 
 
 SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(i?B)?\s*", re.IGNORECASE)

@@ -98,6 +98,8 @@ class Model:
         self.weights = weights  # None: the parts alone, to say what weights they read
         self.tokenizer = tokenizer
         self.source = source  # where the weights came from, for banners and --json
+        self.runs = f"{str(self.dtype).removeprefix('torch.')}, on {self.device}" \
+            if weights is not None else ""  # how: dtype, device, streamed (`load_model` says)
         self.blocks = [self.block(i) for i in range(config.n_layers)]
 
     # --- the parts of each layer: a family's module overrides those it changes -------------
@@ -130,18 +132,22 @@ class Model:
     def load(self, sd: dict[str, torch.Tensor], source: str = "checkpoint") -> Weights:
         """The weights from a state dict in Hugging Face's names, each checked against the
         shape the config implies; each layer's parts read their own."""
-        for name, shape in self.expected_shapes().items():
-            if name not in sd:
-                raise LlmTraceError(f"{source}: tensor {name} is missing "
-                                    f"(config {self.config.name!r} expects it)")
-            if tuple(sd[name].shape) != shape:
-                raise LlmTraceError(f"{source}: {name} has shape {list(sd[name].shape)} "
-                                    f"but the config implies {list(shape)}: "
-                                    "the checkpoint and its config.json disagree")
+        self.check_shapes({name: tuple(t.shape) for name, t in sd.items()}, source)
         layers = [load_layer(block, sd.__getitem__, i) for i, block in enumerate(self.blocks)]
         tables = {field: sd[name] for field, (name, _) in self.tensors().items()}
         tables.setdefault("lm_head", tables["embed"])  # tied: the same tensor
         return Weights(layers=layers, **tables)
+
+    def check_shapes(self, shapes: dict[str, tuple[int, ...]], source: str) -> None:
+        """Every tensor the config implies is there, in the shape it implies."""
+        for name, shape in self.expected_shapes().items():
+            if name not in shapes:
+                raise LlmTraceError(f"{source}: tensor {name} is missing "
+                                    f"(config {self.config.name!r} expects it)")
+            if shapes[name] != shape:
+                raise LlmTraceError(f"{source}: {name} has shape {list(shapes[name])} "
+                                    f"but the config implies {list(shape)}: "
+                                    "the checkpoint and its config.json disagree")
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under their Hugging Face names, as a checkpoint stores them."""
@@ -166,14 +172,18 @@ class Model:
         return self.weights.embed.device
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype, which the whole pass computes in (fp32, bf16, fp16)."""
+        return self.weights.embed.dtype
+
+    @property
     def is_meta(self) -> bool:
         return self.device.type == "meta"
 
     def new_cache(self, max_len: int, batch: int = 1) -> list:
         """What each layer keeps between steps, for sequences up to max_len positions: a
         `KVCache` for Llama's attention (each part says its own: `new_state`)."""
-        dtype = self.weights.embed.dtype
-        return [b.attn.new_state(max_len, batch, self.device, dtype) for b in self.blocks]
+        return [b.attn.new_state(max_len, batch, self.device, self.dtype) for b in self.blocks]
 
     def forward(self, ids: torch.Tensor, trace=NO_TRACE,
                 cache: list[KVCache] | None = None, start: int = 0,
@@ -185,7 +195,7 @@ class Model:
         logits with respect to a tensor a patch hands on (attribution patching)."""
         with torch.inference_mode(not grad):
             ids = check_ids(ids, self.config.vocab_size, batch=True).to(self.device)  # [B, T]
-            pos = self.positions(start, ids.shape[1])  # shared by every layer
+            pos = self.positions(start, ids.shape[1]).to(self.dtype)  # shared by every layer
             x = self.embed(ids, trace)  # [B, T, D]
             for i, (block, w) in enumerate(zip(self.blocks, self.weights.layers)):
                 layer_cache = None if cache is None else cache[i]
@@ -230,13 +240,13 @@ class Model:
         return check_ids(prompt, self.config.vocab_size)
 
     def run(self, prompt: str | torch.Tensor, keep_values: bool = True, names=None,
-            patch: dict | None = None) -> tuple[torch.Tensor, Trace]:
+            patch: dict | None = None, keep_on=None) -> tuple[torch.Tensor, Trace]:
         """One traced forward pass over the prompt (a string or ids [1, T]): (logits, trace).
-        keep_values and names choose what the trace keeps (see `Trace`).
+        keep_values, names and keep_on choose what the trace keeps, and where (see `Trace`).
         patch: {name or glob: fn} changes those operations' outputs as they flow on (`Patched`);
         the trace records what flowed on."""
         ids = self.ids(prompt)  # [1, T]
-        trace = Trace(keep_values=keep_values, names=names, label="prefill")
+        trace = Trace(keep_values=keep_values, names=names, label="prefill", keep_on=keep_on)
         trace.config = self.config  # the model that made it, whose data flow `diagram` draws
         check_trace_budget(self.config, trace, ids.shape[1])
         flow = Patched(patch, trace, self.config.vocab_size) if patch is not None else trace

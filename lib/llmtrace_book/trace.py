@@ -211,13 +211,20 @@ class Trace:
 
     keep_values=False keeps shapes, dtypes and costs but no tensors. `names` (a glob, a list of
     globs, or a callable on the name) chooses which records keep their tensor; every operation is
-    recorded either way, so the data flow stays complete.
+    recorded either way, so the data flow stays complete. keep_on: where kept values live: None,
+    on the device that computed them; "cpu", copied there as they are recorded (a GPU's memory
+    then holds only the pass).
     """
 
     def __init__(self, keep_values: bool = True, names=None, label: str = "",
-                 pool: TracePool | None = POOL):
+                 pool: TracePool | None = POOL, keep_on=None):
         if not isinstance(keep_values, bool):
             raise LlmTraceError(f"keep_values must be True or False, got {keep_values!r}")
+        if keep_on is not None:
+            from .load import check_device
+
+            keep_on = check_device(keep_on)
+        self.keep_on = keep_on
         self.keep_values = keep_values
         self._keep, self._patterns = _name_filter(names)
         self.keeps_all = names is None  # every record keeps its tensor (if keep_values)
@@ -265,6 +272,8 @@ class Trace:
         sampling step's outside the model); the buffer of the tensor t views, when that tensor
         was copied already (`q` viewing `q_proj`, the causal mask recorded in every layer); else
         a copy of t in a new buffer of the pool. t itself flows on, never the copy."""
+        if self.keep_on is not None and t.device != self.keep_on:
+            return t.detach().to(self.keep_on), None  # a copy there, outside the pool
         if self.pool is None:
             return t.detach(), None
         storage = t.untyped_storage()

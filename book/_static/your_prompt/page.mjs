@@ -12,6 +12,7 @@
 //
 // Every fault ends as one line on the page (and a rejected Promise with that line as message).
 
+import { draw_map } from "./map.mjs";
 import { check_options, MAX_NEW_TOKENS, warp } from "./sampling.mjs";
 
 const $ = id => document.getElementById(id);
@@ -121,6 +122,8 @@ function load() {
         info = i;
         load_ms ??= performance.now();  // since the page opened (its time origin)
         show_status(ready_line(i));
+        $("lt-details").textContent = details_line(i);
+        $("lt-status-details").hidden = false;
         show_form(i);
         return i;
     });
@@ -137,15 +140,25 @@ function show_form(i) {
                        document.createTextNode(" (the page opens again)."));
 }
 
+// The status line in words: which model runs, in which weights, checked how; the details (the
+// tolerance's figures, the download, the runtime, the limits) folded below it.
 function ready_line(i) {
+    const t = i.tolerance;
+    const checked = t.logits !== undefined
+        ? `; its logits match the book's PyTorch trace to within ${t.logits}` : "";
+    return `ready: ${i.model} runs in this page, ${i.weights_in_words ?? "weights " + i.weights}` +
+        `${checked}. The prompt goes no further than this tab.`;
+}
+
+function details_line(i) {
     const threads = i.threads === 1 ? "one thread (the page is not cross-origin isolated)"
         : `${i.threads} threads`;
     const t = i.tolerance;
     const measured = t.logits_measured !== undefined
         ? `, ${t.logits_measured.toExponential(1)} measured by the export` : "";
     const tol = t.logits !== undefined
-        ? `; its logits lie within ${t.logits} of the book's PyTorch trace${measured}` : "";
-    return `ready: ${i.model}, weights ${i.weights}${tol}; ${mb(i.downloaded)} downloaded in ` +
+        ? `; its logits lie within ${t.logits} of the book's${measured}` : "";
+    return `weights ${i.weights}${tol}; ${mb(i.downloaded)} downloaded in ` +
         `${(load_ms / 1000).toFixed(1)} s; onnxruntime-web ${i.versions.onnxruntime_web} on ` +
         `${threads}; prompts up to ${i.longest_prompt} tokens (a whole trace within ` +
         `${mb(i.trace_limit)}, this page's memory limit)`;
@@ -346,6 +359,7 @@ async function show_record(r, name) {
         fill_record_names(r, group_of(name));
     }
     $("lt-record-name").value = name;
+    draw_map($("lt-map"), r.records.map(x => x.name), name, n => show_record(shown, n));
     const rec = r.records.find(x => x.name === name);
     const v = r.values[name];
     let sq = 0, lo = Infinity, hi = -Infinity;

@@ -235,7 +235,8 @@ async function load(retry) {
     const s = await load_session(retry);
     const c = manifest.config;
     info = {
-        model: manifest.model, weights: manifest.weights, records: manifest.records,
+        model: manifest.model, weights: manifest.weights,
+        weights_in_words: manifest.weights_in_words, records: manifest.records,
         config: c, tolerance: manifest.tolerance || {}, threads: s.threads,
         isolated: s.isolated, longest_prompt: s.longest, trace_limit: TRACE_LIMIT,
         versions: { onnxruntime_web: ort.env.versions.web },

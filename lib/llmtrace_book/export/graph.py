@@ -136,7 +136,7 @@ def check_exportable(model: Model) -> None:
     dtype = model.weights.embed.dtype
     if dtype != torch.float32:
         raise LlmTraceError(f"{model.name} holds {_dtype_name(dtype)} weights; the export writes "
-                            f"fp32: load an fp32 model, or convert its weights with .float()")
+                            f"fp32: load it with load_model(path, dtype='float32')")
 
 
 @contextlib.contextmanager

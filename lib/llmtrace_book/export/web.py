@@ -28,6 +28,10 @@ from .pack import QUANTIZED, quantize_graph
 # emoji, newlines and a run of spaces
 TOLERANCE_PROMPTS = ("The capital of France is", "Hello! 1234 caf\u00e9 \U0001F600\n\n  ok")
 LOGIT_TOLERANCE = 1e-4  # the page's logits against the trace's; each form is measured at export
+# the status line's words for each form of the weights (the manifest's "weights" is the detail)
+IN_WORDS = {"fp32": "on its weights in fp32, the numbers the chapters run",
+            QUANTIZED: "on the 4-bit blocks its GGUF file stores (8-bit for the embedding and "
+                       "the head), unpacked as each product runs"}
 
 
 def write_tokenizer(model: Model, d: Path) -> None:
@@ -117,7 +121,8 @@ def _form(model: Model, d: Path, graph: Path, weights: str, head: dict) -> dict:
     """One form's manifest: its graph, its data in chunks, and its logits measured against the
     trace's (refused past LOGIT_TOLERANCE)."""
     data = graph.with_name(graph.name + ".data")
-    web = {**head, "weights": weights, "graph": _entry(graph), "external_data": data.name,
+    web = {**head, "weights": weights, "weights_in_words": IN_WORDS.get(weights, weights),
+           "graph": _entry(graph), "external_data": data.name,
            "chunks": [_entry(c) for c in split(data)]}
     main = session(d, web=web)
     measured = logit_difference(model, main)

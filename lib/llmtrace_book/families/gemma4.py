@@ -225,7 +225,7 @@ class Gemma4(Model, family="gemma4_text"):
         with torch.inference_mode(not grad):
             c, w = self.config, self.weights
             ids = check_ids(ids, c.vocab_size, batch=True).to(self.device)  # [B, T]
-            pos = self.positions(start, ids.shape[1])
+            pos = self.positions(start, ids.shape[1]).to(self.dtype)
             x = self.embed(ids, trace)  # [B, T, D]
             if c.ple_size:  # a small input for each layer, from the ids and x
                 pos.more["ple"] = per_layer_inputs(

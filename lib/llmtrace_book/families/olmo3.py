@@ -9,9 +9,9 @@ from .gemma3 import HF_LAYER_KINDS
 from .olmo2 import FAMILY as OLMO2
 from ..attention import Attention
 from ..mechanisms import part
-from ..mechanisms.attention_steps import OwnBase, ProjNormed
+from ..mechanisms.attention_steps import OwnBase
 from ._parts import positions_of, window
-from .olmo2 import Olmo2
+from .olmo2 import Olmo2, OlmoProjNormed
 
 
 def refuse(c: dict, where: str) -> None:
@@ -89,7 +89,7 @@ class Olmo3(Olmo2, family="olmo3"):
     def attention(self, i):
         c = self.config
         own_base = c.layer_types and c.rope_local_theta and c.rope_local_theta != c.rope_theta
-        return part(c.qk_proj_norm and ProjNormed, own_base and OwnBase, window(c, i),
+        return part(c.qk_proj_norm and OlmoProjNormed, own_base and OwnBase, window(c, i),
                     Attention)(c, i)
 
     def positions(self, start, T):

@@ -35,6 +35,7 @@ class Biased(Attention):
 class ProjNormed(Attention):
     """OLMo 2: q and k to RMS 1 over all heads at once (a weight [H*hd], [KV*hd]), before the
     heads are split."""
+    norm = staticmethod(rms_norm)  # OLMo rounds after the weight: `gemma.rounded_last_rms_norm`
 
     def __init__(self, config, layer: int = 0):
         super().__init__(config, layer)
@@ -47,8 +48,8 @@ class ProjNormed(Attention):
 
     def qkv(self, x, w, trace, name):
         q, k, v = super().qkv(x, w, trace, name)  # [B, T, H*hd], [B, T, KV*hd] x 2
-        q = rms_norm(q, w.q_norm, self.eps, trace, f"{name}.q_norm")  # [B, T, H*hd]
-        k = rms_norm(k, w.k_norm, self.eps, trace, f"{name}.k_norm")  # [B, T, KV*hd]
+        q = self.norm(q, w.q_norm, self.eps, trace, f"{name}.q_norm")  # [B, T, H*hd]
+        k = self.norm(k, w.k_norm, self.eps, trace, f"{name}.k_norm")  # [B, T, KV*hd]
         return q, k, v
 
 
@@ -116,7 +117,8 @@ class Windowed(Attention):
         key = ("window", self.window)  # one mask per width, shared by the pass's layers
         if key not in pos.more:
             T, S = pos.mask.shape
-            pos.more[key] = window_mask(T, S, pos.start, self.window, pos.mask.device)
+            pos.more[key] = window_mask(T, S, pos.start, self.window,
+                                        pos.mask.device).to(pos.mask.dtype)
         mask = trace.record(f"{name}.window_mask",
                             "causal_mask + -inf where key <= query - window",
                             mask + pos.more[key])  # [T, S]
@@ -243,7 +245,8 @@ class Tempered(Attention):
         t = torch.log1p(torch.floor((p.float() + 1.0) / self.floor)) * self.scale + 1.0
         what = f"1 + {self.scale:g} * log1p(floor((position + 1) / {self.floor})), per position"
         t = trace.record(f"{name}.temperature", what, t[:, None, None])  # [T, 1, 1]
-        q = trace.record(f"{name}.q_tempered", "q * temperature", q * t)  # [B, T, H, hd]
+        q = trace.record(f"{name}.q_tempered", "q * temperature",
+                         (q * t).to(q.dtype))  # [B, T, H, hd]: fp32 tables, q's dtype
         return q, k
 
 
@@ -275,7 +278,8 @@ class Chunked(Attention):
         key = ("chunk", self.chunk)  # one mask per width, shared by the pass's layers
         if key not in pos.more:
             T, S = pos.mask.shape
-            pos.more[key] = chunk_mask(T, S, pos.start, self.chunk, pos.mask.device)
+            pos.more[key] = chunk_mask(T, S, pos.start, self.chunk,
+                                       pos.mask.device).to(pos.mask.dtype)
         mask = trace.record(f"{name}.chunk_mask",
                             f"causal_mask + -inf where key // {self.chunk} != query // "
                             f"{self.chunk}", mask + pos.more[key])  # [T, S]

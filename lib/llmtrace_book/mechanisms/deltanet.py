@@ -226,8 +226,11 @@ def gated_deltanet(x, w: DeltaNetWeights, dims: DeltaNetDims,
     S = state.recurrent if state is not None else x.new_zeros(B, Hv, dk, dv)
     rule = recurrent_delta_rule if mode == "recurrent" else chunked_delta_rule
     args = (chunk,) if mode == "chunked" else ()
-    core, S = rule(qh, kh, v.transpose(1, 2), g.transpose(1, 2),
-                   beta.transpose(1, 2), S, *args)  # [B, Hv, T, dv], [B, Hv, dk, dv]
+    # the rule in fp32 whatever the weights' dtype, as HF's reference does (its triangular
+    # solve has no bf16 kernel); the state stays fp32, the output takes the stream's dtype
+    core, S = rule(*(t.float() for t in (qh, kh, v.transpose(1, 2), g.transpose(1, 2),
+                                         beta.transpose(1, 2), S)), *args)
+    core = core.to(x.dtype)  # [B, Hv, T, dv]; S [B, Hv, dk, dv]
     how = "token by token" if mode == "recurrent" else f"in chunks of {chunk}"
     core = trace.record(f"{name}.core", f"gated delta rule {how}: write, then read "
                         "S^T q", core.transpose(1, 2),
@@ -239,8 +242,8 @@ def gated_deltanet(x, w: DeltaNetWeights, dims: DeltaNetDims,
 
     normed = rms_norm(core, w.norm, d.norm_eps, trace,
                       f"{name}.core_norm")  # [B, T, Hv, dv]
-    gated = trace.record(f"{name}.gated_norm", "core_norm * silu(z)",
-                         normed * F.silu(z))  # [B, T, Hv, dv]
+    gated = trace.record(f"{name}.gated_norm", "core_norm * silu(z)",  # the gate in fp32, as HF
+                         (normed * F.silu(z.float())).to(z.dtype))  # [B, T, Hv, dv]
     out = F.linear(gated.reshape(B, T, d.value_dim), w.out_proj)  # [B, T, D]
     return trace.record(f"{name}.out", "gated_norm @ W_out^T", out,
                         B * T * d.value_dim * D)

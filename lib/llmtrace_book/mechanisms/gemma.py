@@ -19,14 +19,24 @@ from ..trace import NO_TRACE
 from .attention_steps import HeadNormed
 
 
-def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, trace=NO_TRACE,
-                    name: str = "norm") -> torch.Tensor:
-    """RMSNorm times (1 + weight): a weight of 0 keeps the normalized x."""
+def rounded_last_rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float, trace=NO_TRACE,
+                          name: str = "norm", gain_name: str = "weight") -> torch.Tensor:
+    """RMSNorm in fp32 throughout, the gain too, rounded to x's dtype last: Gemma's and OLMo's
+    order (Llama's rounds x_hat before its weight, `norm.rms_norm`). In fp32, the same numbers."""
+    dtype = x.dtype
+    x = x.float()
     mean_sq = trace.record(f"{name}.mean_sq", "mean(x^2) over the last dim",
                            x.pow(2).mean(-1, keepdim=True))  # [B, T, 1]
     x_hat = x * torch.rsqrt(mean_sq + eps)  # [B, T, D]
-    return trace.record(name, f"x / sqrt(mean_sq + {eps:g}) * (1 + weight)",
-                        (1 + weight) * x_hat)  # [B, T, D]
+    return trace.record(name, f"x / sqrt(mean_sq + {eps:g}) * {gain_name}",
+                        (gain.float() * x_hat).to(dtype))  # [B, T, D]
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, trace=NO_TRACE,
+                    name: str = "norm") -> torch.Tensor:
+    """RMSNorm times (1 + weight): a weight of 0 keeps the normalized x. In fp32, the gain
+    too, then rounded to x's dtype, as HF's Gemma."""
+    return rounded_last_rms_norm(x, 1 + weight.float(), eps, trace, name, "(1 + weight)")
 
 
 class OffsetNorm(HeadNormed):

@@ -222,11 +222,14 @@ def proportional_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
 
 # --- attention -------------------------------------------------------------------------------
 def unit_rms_norm(x, eps: float, trace=NO_TRACE, name: str = "norm") -> torch.Tensor:
-    """RMSNorm with no weight (Gemma 4's v_norm): each vector to RMS 1, nothing learned."""
+    """RMSNorm with no weight (Gemma 4's v_norm): each vector to RMS 1, nothing learned; in
+    fp32, then rounded to x's dtype, as HF."""
+    dtype = x.dtype
+    x = x.float()
     mean_sq = trace.record(f"{name}.mean_sq", "mean(x^2) over the last dim",
                            x.pow(2).mean(-1, keepdim=True))  # [..., 1]
     return trace.record(name, f"x / sqrt(mean_sq + {eps:g}), no weight",
-                        x * torch.rsqrt(mean_sq + eps))  # [..., hd]
+                        (x * torch.rsqrt(mean_sq + eps)).to(dtype))  # [..., hd]
 
 
 def own_kv(x, w, s: LayerShape, eps: float, pos, trace=NO_TRACE, name: str = "attn"):

@@ -83,7 +83,8 @@ class Router:
     """How a router's logits choose: logits [B, T, E] -> (ids, weights), each [B, T, k], the k
     experts each position goes to and how much each one's output counts. Each rule is a class
     of its own (`ROUTERS_BY_NAME`, by the config's `moe_router`); `chose` and `weighs` say it
-    in the trace."""
+    in the trace. in_fp32: the logits computed in fp32 whatever the weights' dtype."""
+    in_fp32 = False
 
     def __init__(self, k: int, renormalize: bool = True, scaling: float = 1.0,
                  n_group: int = 1, topk_group: int = 1):
@@ -146,8 +147,10 @@ class SigmoidGroup(Router):
     """DeepSeek-V3: each expert's score a sigmoid of its own logit. The bias [E] moves which
     experts are chosen, never what they weigh; G = n_group groups of E/G experts, the
     topk_group best groups by the sum of their two best biased scores, then the top k experts
-    of those groups; their unbiased scores, renormalized if `renormalize`."""
+    of those groups; their unbiased scores, renormalized if `renormalize`. Its logits in fp32,
+    as HF's DeepSeek-V3 router computes them."""
     chose = "top-k of choice_scores in the chosen groups"
+    in_fp32 = True
 
     @property
     def weighs(self):
@@ -251,7 +254,8 @@ def moe_mlp(x, w: MoeWeights, k: int, router: str = "softmax_topk",
     B, T, D = x.shape
     E, Fsz, _ = w.gate.shape
     op = "x @ W_router^T" + (" + b_router" if w.router_bias is not None else "")
-    logits = trace.record(f"{name}.router", op, F.linear(x, w.router, w.router_bias),
+    xr, wr = (x.float(), w.router.float()) if router.in_fp32 else (x, w.router)
+    logits = trace.record(f"{name}.router", op, F.linear(xr, wr, w.router_bias),
                           B * T * D * E)  # [B, T, E]
     ids, weights = router(logits, w.score_bias, trace, name)  # [B, T, k] each
     ids = trace.record(f"{name}.experts_chosen", f"{router.chose}: expert ids",
@@ -262,7 +266,7 @@ def moe_mlp(x, w: MoeWeights, k: int, router: str = "softmax_topk",
     out = trace.record(f"{name}.expert_out", f"the j-th chosen expert's {mlp} MLP",
                        chosen_expert_outputs(x, w, ids, act, limit, alpha),
                        B * T * k * 3 * D * Fsz)  # [B, T, k, D]
-    y = (weights[..., None] * out).sum(dim=2)  # [B, T, D]
+    y = (weights[..., None] * out).sum(dim=2).to(x.dtype)  # [B, T, D]: fp32 weights, x's dtype
     if w.shared is None:
         return trace.record(f"{name}.out", "sum_j expert_weights_j * expert_out_j", y,
                             B * T * k * D)

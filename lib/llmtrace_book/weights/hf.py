@@ -1,10 +1,12 @@
 """Hugging Face checkpoints: a directory with `config.json` and safetensors weights, one file
 (`model.safetensors`) or sharded (`model.safetensors.index.json` naming the shard of each tensor).
-Weights are read as fp32 whatever they were saved in (TinyLlama ships bf16)."""
+Weights are read in the dtype they are stored in (TinyLlama ships bf16), or in the one asked
+for; `weights.stream` reads a layer at a time instead of the whole checkpoint."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -16,6 +18,8 @@ from ..tokenize import HFTokenizer, SentencePieceTokenizer
 
 
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # a cast to fp32 reads these; int8 needs its scales
+TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "F64": torch.float64}
 
 
 def _weight_files(d: Path) -> list[Path]:
@@ -66,6 +70,22 @@ def safetensors_header(f: Path) -> dict:
     return header
 
 
+def headers(d: Path) -> dict[str, tuple[Path, dict]]:
+    """Every tensor of the checkpoint in directory d: name -> (its file, its header entry:
+    dtype, shape, data_offsets), each file's header checked; nothing is read past the headers."""
+    return {k: (f, t) for f in _weight_files(d) for k, t in safetensors_header(f).items()
+            if k != "__metadata__"}
+
+
+def stored_dtype(entries: dict[str, tuple[Path, dict]]) -> torch.dtype:
+    """The dtype most of the checkpoint's numbers are stored in (a few norms kept in fp32 beside
+    bf16 matrices do not make it an fp32 checkpoint)."""
+    count: dict[str, int] = {}
+    for _, t in entries.values():
+        count[t["dtype"]] = count.get(t["dtype"], 0) + math.prod(t["shape"])
+    return TORCH_DTYPES[max(count, key=count.get)] if count else torch.float32
+
+
 def load_tokenizer(d: Path, config: Config):
     extra = d / "tokenizer_config.json"
     settings = read_json(extra, "the tokenizer's settings") if extra.is_file() else {}
@@ -110,33 +130,83 @@ def is_empty_shared_expert(name: str, config: Config) -> bool:
         config.n_shared_experts or config.shared_ffn_size)
 
 
-def load_hf(directory: str | Path, name: str | None = None):
-    """(config, state dict, tokenizer) from a Hugging Face model directory."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+def read_config(directory: str | Path, name: str | None = None) -> tuple[Path, Config]:
     d = Path(directory)
     if not d.is_dir():
         raise LlmTraceError(f"{d} is not a directory: "
                             "point at a folder holding config.json and safetensors")
-    config = Config.from_hf(d, name=name or d.name)
-    sd = {}
-    for f in _weight_files(d):
-        safetensors_header(f)
-        try:
-            tensors = load_file(f)
-        except (SafetensorError, OSError) as e:
-            raise LlmTraceError(f"{f} cannot be read as safetensors ({e}): "
-                                f"download it again") from None
-        sd.update({k: v.float() for k, v in tensors.items()})
-    if config.tied_lm_head:
-        sd.pop("lm_head.weight", None)
-    if config.kv_lora_rank:  # DeepSeek-V3's multi-token-prediction layer, past the last one
-        sd = {k: v for k, v in sd.items() if not is_mtp(k, config.n_layers)}  # HF skips it too
-    sd = {k: v for k, v in sd.items() if not is_empty_shared_expert(k, config)}
-    unexpected = sorted(set(sd) - set(expected_shapes(config)) - {"model.rotary_emb.inv_freq"})
+    return d, Config.from_hf(d, name=name or d.name)
+
+
+def used(names, config: Config, d: Path) -> list[str]:
+    """The tensors the model reads, of those the checkpoint holds: not a tied head's copy,
+    DeepSeek-V3's multi-token-prediction layer past the last one (HF skips it too), nor an
+    empty shared expert; a tensor no part of the model reads is refused by its name."""
+    keep = [k for k in names if not (config.tied_lm_head and k == "lm_head.weight")
+            and not (config.kv_lora_rank and is_mtp(k, config.n_layers))
+            and not is_empty_shared_expert(k, config)]
+    unexpected = sorted(set(keep) - set(expected_shapes(config)) - {"model.rotary_emb.inv_freq"})
     if unexpected:
         raise LlmTraceError(f"{d}: unexpected tensor {unexpected[0]} for a Llama model")
+    return keep
+
+
+def read_tensors(f: Path, names, dtype=None, device="cpu") -> dict[str, torch.Tensor]:
+    """Those tensors of one safetensors file, memory-mapped by safetensors, in `dtype` (None:
+    as stored) on `device`."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(f, framework="pt") as fh:
+            return {k: fh.get_tensor(k).to(device=device, dtype=dtype) for k in names}
+    except (SafetensorError, OSError) as e:
+        raise LlmTraceError(f"{f} cannot be read as safetensors ({e}): "
+                            f"download it again") from None
+
+
+COPY_BLOCK = 64 * 2**20  # bytes copied out of a file's mapping at a time (`read_copies`)
+
+
+def read_copies(f: Path, names, dtype=None, device="cpu") -> dict[str, torch.Tensor]:
+    """Those tensors, copied out of safetensors' mapping a block of rows at a time, the file
+    opened afresh for each block: the mapping, and the pages it read, go when the block is
+    copied. (A tensor that views the mapping keeps the whole file mapped, and every page read
+    through it resident, for as long as it lives.)"""
+    from safetensors import SafetensorError, safe_open
+
+    out = {}
+    try:
+        for k in names:
+            with safe_open(f, framework="pt") as fh:
+                view = fh.get_slice(k)
+                shape, stored = view.get_shape(), TORCH_DTYPES[view.get_dtype()]
+            t = torch.empty(shape, dtype=dtype or stored, device=device)
+            row = math.prod(shape[1:]) * stored.itemsize if shape else 1
+            step = max(1, COPY_BLOCK // max(row, 1))
+            for a in range(0, shape[0] if shape else 1, step):
+                with safe_open(f, framework="pt") as fh:
+                    if shape:
+                        t[a:a + step].copy_(fh.get_slice(k)[a:a + step])
+                    else:
+                        t.copy_(fh.get_tensor(k))
+            out[k] = t
+    except (SafetensorError, OSError) as e:
+        raise LlmTraceError(f"{f} cannot be read as safetensors ({e}): "
+                            f"download it again") from None
+    return out
+
+
+def load_hf(directory: str | Path, name: str | None = None, dtype: torch.dtype | None = None,
+            device="cpu"):
+    """(config, state dict, tokenizer) from a Hugging Face model directory: every tensor the
+    model reads, in `dtype` (None: the dtype it is stored in) on `device`."""
+    d, config = read_config(directory, name)
+    entries = headers(d)
+    keep = set(used(entries, config, d))
+    sd = {}
+    for f in dict.fromkeys(f for f, _ in entries.values()):
+        sd.update(read_tensors(f, [k for k, (g, _) in entries.items() if g == f and k in keep],
+                               dtype, device))
     return config, sd, load_tokenizer(d, config)
 
 
