@@ -188,8 +188,7 @@ def tinyllama_card_html(stage: str | list[str], tiny: Trace, decode: Trace | Non
     if running is not None:
         t_run = running.encode(PROMPT).shape[1]
         if t_run != n:
-            mine = (f" On this page, {html.escape(running.label)}'s tokenizer puts no BOS "
-                    f"in front, so its prompt is {t_run} tokens.")
+            mine = f" ({html.escape(running.label)}'s, here, has {t_run}: no BOS)"
     head = ('<table><thead><tr><th>name</th><th>operation</th><th class="shape">shape</th>'
             "</tr></thead><tbody>")
     step = ""
@@ -200,11 +199,8 @@ def tinyllama_card_html(stage: str | list[str], tiny: Trace, decode: Trace | Non
                 f"{head}{_card_rows(drecs)}</tbody></table>")
     return (f'<details class="tinyllama-card"><summary><span class="tl-model">TinyLlama-1.1B'
             f'</span> at this stage: {len(recs)} {ops}, exact shapes</summary>'
-            f'<p class="tl-note">The reference model, traced on PyTorch\'s meta device (shapes, '
-            f"no weights) for the same prompt: {n} tokens, the first of them BOS "
-            f"(<code>&lt;s&gt;</code>, the start-of-text token that its tokenizer config puts in "
-            f"front of every text).{mine} "
-            f"{html.escape(shape[0].upper() + shape[1:])}.{where}</p>"
+            f'<p class="tl-note">From its shape-only trace of the same prompt: {n} tokens, BOS '
+            f"first{mine}. {html.escape(shape[0].upper() + shape[1:])}.{where}</p>"
             f"{head}{rows}</tbody></table>{step}</details>")
 
 
