@@ -406,6 +406,10 @@ def test_the_pages_interventions_are_the_librarys(page, runs, embedded):
              ("noise", head, ids, {name: put_head(traces[1])}),
              ("denoise", [{"kind": "mlp", "layer": 29, "source": "zero"}], other,
               {"layers.29.mlp.down": lambda t: torch.zeros_like(t)}),
+             # the patched run's own mean over the positions, in the clean run
+             ("noise", [{"kind": "heads", "layer": 23, "head": 4, "source": "mean"}], ids,
+              {name: lambda t: torch.cat([t[:, :4], t[:, 4:5].mean(2, keepdim=True)
+                                          .expand(-1, -1, T, -1), t[:, 5:]], dim=1)}),
              ("denoise", [{"kind": "pattern", "layer": 23, "head": 4, "source": "uniform"}],
               other, {"layers.23.attn.weights": lambda t: torch.cat(
                   [t[:, :4], (torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None])

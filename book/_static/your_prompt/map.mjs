@@ -15,7 +15,7 @@ export const IN_LAYER = [
     ["qkv", "Q, K, V", "06_attention", ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.q",
                                         "attn.k", "attn.v"]],
     ["rope", "RoPE", "05_rope", ["attn.rope_q", "attn.rope_k"]],
-    ["cache", "KV cache", "11_decode_loop", ["attn.kv_cache.", "attn.k_expanded",
+    ["cache", "KV cache", "06_attention", ["attn.kv_cache.", "attn.k_expanded",
                                              "attn.v_expanded"]],
     ["weights", "softmax", "06_attention", ["attn.scores", "attn.causal_mask",
                                                     "attn.masked_scores", "attn.weights"]],

@@ -435,10 +435,14 @@ async function show_attention(r) {
     const labels = r.pieces.map((p, i) => `${i}: ${visible(p)}`);
     let on_first = 0;  // the mean weight the later queries put on position 0
     for (let q = 1; q < T; q++) on_first += z[q][0] / (T - 1);
+    const last = z[T - 1], best = last.indexOf(Math.max(...last));  // the query that answers
+    const except = best !== 0 && T > 1
+        ? ` The last query, the one the next token is read from, looks elsewhere: it gives ` +
+          `${last[best].toFixed(2)} to ${labels[best]}.` : "";
     $("lt-attn-note").textContent = T > 1 && on_first > 0.5
         ? `This head puts ${on_first.toFixed(2)} of its weight, on average over the queries ` +
           "after the first, on position 0: an attention sink, a place to put weight that " +
-          "carries little (where the answer comes from, chapter 14, measures one)."
+          `carries little (where the answer comes from, chapter 14, measures one).${except}`
         : "";
     try {
         const Plotly = await with_plotly();
@@ -580,18 +584,40 @@ function effect_words(direction) {
         : "restored (0: the corrupted run, 1: the clean one)";
 }
 
+// An ablation (zero, mean, uniform) is measured in the clean run, as chapter 14 measures it:
+// the direction is noising, whatever the menu says; only the other run's value can denoise
+function lab_direction() {
+    const ablation = $("lt-lab-source").value !== "other";
+    $("lt-lab-direction").disabled = ablation;
+    if (ablation) $("lt-lab-direction").value = "noise";
+}
+
+function site_words(s) {
+    const at = s.position === "all" ? "every position" : `position ${s.position}`;
+    const what = { heads: `head ${s.layer}.${s.head}'s output`,
+                   pattern: `head ${s.layer}.${s.head}'s pattern`,
+                   mlp: `layer ${s.layer}'s MLP`, resid: `the stream into layer ${s.layer}` };
+    const value = { other: "the other run's value", zero: "zero", mean: "its mean over the positions",
+                    uniform: "uniform" };
+    return `${what[s.kind]}, at ${at}, set to ${value[s.source]}`;
+}
+
 async function on_lab_run() {
     if (busy) return show_error(BUSY);
     show_error("");
     try {
-        const o = { ...lab_options(), interventions: [lab_site()] };
+        lab_direction();
+        const site = lab_site();
+        const o = { ...lab_options(), interventions: [site] };
+        $("lt-lab-result").replaceChildren();
         const r = await intervene(o);
         const rows = r.top.map((t, i) => [i + 1, visible(t.piece), t.id, t.prob.toFixed(4)]);
         $("lt-lab-result").replaceChildren(
-            cell("p", `Answers ${visible(r.answer_pieces[0])} against ` +
+            cell("p", `${site_words(site)}, in the ${r.direction === "noise" ? "clean" : "corrupted"} ` +
+                      `run. Answers ${visible(r.answer_pieces[0])} against ` +
                       `${visible(r.answer_pieces[1])}: their logit difference is ${fmt(r.m)} ` +
                       `(clean ${fmt(r.m_clean)}, corrupted ${fmt(r.m_corrupt)}); normalized, ` +
-                      `${fmt(r.normalized, 3)} ${effect_words(r.direction)}.`),
+                      `${r.normalized.toFixed(3)} ${effect_words(r.direction)}.`),
             table(["rank", "piece", "id", "probability"], rows));
     } catch (e) {
         show_error(e.message);
@@ -604,7 +630,9 @@ async function on_lab_sweep() {
     const bar = $("lt-lab-progress");
     try {
         const kind = $("lt-lab-sweep-kind").value;
-        const r = await sweep({ ...lab_options(), kind });
+        const pos = $("lt-lab-position").value.trim();
+        const at = kind === "heads" && pos !== "" && pos !== "all" ? Number(pos) : "all";
+        const r = await sweep({ ...lab_options(), kind, ...(kind === "heads" ? { position: at } : {}) });
         const ids = await ask("encode", { text: $("lt-lab-clean").value });
         const cols = kind === "resid"
             ? ids.map((_, i) => `position ${i}`) : Array.from({ length: r.cols }, (_, h) => `head ${h}`);
@@ -615,10 +643,11 @@ async function on_lab_sweep() {
             zmid: 0, hovertemplate: "%{y}, %{x}<br>effect %{z:.3f}<extra></extra>",
             colorbar: { title: { text: "effect" } },
         }], {
-            height: 160 + 18 * r.rows, font: FONT, margin: { l: 70, r: 10, t: 50, b: 80 },
+            height: 160 + 18 * r.rows, font: FONT, margin: { l: 70, r: 10, t: 80, b: 80 },
             title: { text: `${kind === "resid" ? "the stream into each layer" : "each head's output"}` +
-                           `, ${r.direction === "noise" ? "noising" : "denoising"}: the effect ` +
-                           effect_words(r.direction), font: FONT },
+                           `${kind === "heads" ? (at === "all" ? " at every position" : ` at position ${at}`) : ""}` +
+                           `, the other run's value, ${r.direction === "noise" ? "noising" : "denoising"}` +
+                           `:<br>the effect ${effect_words(r.direction)}`, font: FONT, x: 0.01, xanchor: "left" },
             xaxis: { title: { text: kind === "resid" ? "position patched" : "head patched" } },
             yaxis: { title: { text: "layer" }, autorange: "reversed" },
         }, { displaylogo: false, responsive: true });
@@ -643,6 +672,7 @@ function setup() {
         if (names.length) show_record(shown, names[0]);
     };
     $("lt-lab-run").onclick = on_lab_run;
+    $("lt-lab-source").onchange = lab_direction;
     $("lt-lab-sweep").onclick = on_lab_sweep;
     $("lt-attn-layer").onchange = () => show_attention(shown);
     $("lt-attn-head").onchange = () => show_attention(shown);

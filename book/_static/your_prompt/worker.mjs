@@ -541,7 +541,9 @@ async function lab_pair(o) {
 
 function check_range(what, x, n) {
     if (!Number.isInteger(x) || x < 0 || x >= n) {
-        fail(`${what} ${x} is out of range: the model has ${n} (0 to ${n - 1})`);
+        const has = what === "position" ? `the prompts have ${n} tokens`
+            : `the model has ${n} ${what}s`;
+        fail(`${what} ${x} is out of range: ${has} (0 to ${n - 1})`);
     }
 }
 
@@ -592,7 +594,9 @@ function lab_feeds(pair, rows, direction) {
                 const pos = x.position ?? "all";
                 if (pos !== "all") check_range("position", pos, T);
                 const key = `${kind}.${x.layer}.${head}`;
-                const values = site_values(kind, x.source ?? "other", from, x.layer, head, T);
+                const src = x.source ?? "other";  // "mean": the patched run's own mean
+                const values = site_values(kind, src, src === "mean" ? run : from, x.layer, head,
+                                           T);
                 const at = (x.layer * (LAB_SITES[kind].per_head ? H : 1) + head) * site;
                 if (filled.has(key) && !source.subarray(at, at + site).every(
                     (v, i) => v === values[i])) {
