@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmtrace_book import LlmTraceError, Trace, load_model, meta_model
-from llmtrace_book.load import best_device, check_device
+from llmtrace_book.check import best_device, check_device
 
 NO_GPU = ("no CUDA GPU here (torch.cuda.is_available() is False): the cuda path runs where "
           "there is one")

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from llmtrace_book import LlmTraceError, generate, load_model
-from llmtrace_book.load import check_dtype
+from llmtrace_book.check import check_dtype
 from tiny_checkpoint import make_tiny_checkpoint
 
 # the rows of tiny_checkpoint.ROWS held to HF's rounding; OLMo 2 and 3, Qwen3-Next, Qwen3.5

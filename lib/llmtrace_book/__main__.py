@@ -87,7 +87,8 @@ def check_args(args) -> None:
                                 f"none: drop one of the two")
         shapes_config(args.model)
     else:
-        from .load import check_device, check_dtype, check_name, resolve
+        from .check import check_device, check_dtype
+        from .load import check_name, resolve
 
         check_dtype(args.dtype)
         check_device(args.device)

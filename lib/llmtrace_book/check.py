@@ -1,5 +1,5 @@
 """Checks of a caller's arguments at the edges of the library: integers, numbers, seeds, token
-ids, model names. Each failure is one `LlmTraceError` line that says what was wrong and what to do
+ids, model names, dtypes and devices. Each failure is one `LlmTraceError` line that says what was wrong and what to do
 instead. (The trace checks its own arguments; the model checks the numbers it makes.)
 """
 
@@ -95,3 +95,57 @@ def check_model_name(name):
         raise LlmTraceError("the model name is empty: use auto, embedded, tinyllama, "
                             "a Hugging Face model directory or a .gguf file")
     return name
+
+
+# --- how a model runs: its dtype, its device -------------------------------------------------
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+DEVICES = ("cpu", "cuda", "mps")
+
+
+def check_dtype(dtype) -> torch.dtype | None:
+    """The dtype asked for: None (or "auto") for the checkpoint's own; a name ("bfloat16",
+    "bf16", "float16", "fp16", "half", "float32", "fp32") or a torch dtype of those three."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.strip().lower() in DTYPES:
+        return DTYPES[dtype.strip().lower()]
+    raise LlmTraceError(f"dtype {dtype!r} is not one llmtrace runs: use float32, bfloat16 or "
+                        f"float16 (or leave it out for the checkpoint's own)")
+
+
+def best_device() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    mps = getattr(torch.backends, "mps", None)
+    return "mps" if mps is not None and mps.is_available() else "cpu"
+
+
+def check_device(device) -> torch.device:
+    """The device asked for (None: `best_device`), refused by name if it is not cpu, cuda[:N]
+    or mps, or if this machine has no such device."""
+    if device is None:
+        return torch.device(best_device())
+    try:
+        d = torch.device(device.strip() if isinstance(device, str) else device)
+    except (RuntimeError, TypeError, ValueError):
+        d = None
+    if d is None or d.type not in DEVICES:
+        hint = " (the meta device has shapes only: use meta_model)" if d is not None \
+            and d.type == "meta" else ""
+        raise LlmTraceError(f"device {device!r} is not one llmtrace runs on: use cpu, cuda, "
+                            f"cuda:N or mps{hint}")
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise LlmTraceError(f"device {device!r}: this machine has no CUDA GPU that PyTorch "
+                            f"can use (torch.cuda.is_available() is False): use device='cpu'")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise LlmTraceError(f"device {device!r}: this machine has {torch.cuda.device_count()} "
+                            f"CUDA GPU(s), numbered from 0")
+    if d.type == "mps" and not (getattr(torch.backends, "mps", None)
+                                and torch.backends.mps.is_available()):
+        raise LlmTraceError(f"device {device!r}: Apple's MPS is not available here: use "
+                            f"device='cpu'")
+    return d

@@ -221,7 +221,7 @@ class Trace:
         if not isinstance(keep_values, bool):
             raise LlmTraceError(f"keep_values must be True or False, got {keep_values!r}")
         if keep_on is not None:
-            from .load import check_device
+            from .check import check_device
 
             keep_on = check_device(keep_on)
         self.keep_on = keep_on
