@@ -55,15 +55,15 @@ def describe_config(c) -> str:
 
 
 def model_label(model: Model, short: bool = False) -> str:
-    """The name a reader knows the running model by, and what its values are: the embedded
-    model is the Q4_1 GGUF (Q8_0 embedding, F32 norms) dequantized to fp32. The banner gives
-    that in full; `short=True` gives the name alone ("SmolLM2-135M-Instruct"), which fits in a
-    sentence."""
+    """The name a reader knows the running model by, for the banner: the embedded model's name
+    alone (that its Q4_1 weights run in fp32 is said once, in chapter 1 and on the page "Which
+    model runs"), another checkpoint's with the dtype of its weights; `short=True` gives the
+    name alone ("SmolLM2-135M-Instruct"), which fits in a sentence."""
     name = model.config.name
     if short:
         return model.label
     if name == EMBEDDED:
-        return f"{FULL_NAMES[EMBEDDED]}, Q4_1 weights in fp32"
+        return FULL_NAMES[EMBEDDED]
     return f"{FULL_NAMES.get(name, name)}, weights in {str(model.dtype).removeprefix('torch.')}"
 
 
@@ -152,6 +152,22 @@ def say(text: str) -> None:
     from IPython.display import Markdown, display
 
     display(Markdown(text))
+
+
+def aside(title: str, text: str) -> None:
+    """Like `say`, folded: a side path's prose, computed like the rest, in a dropdown box that
+    the walk can skip."""
+    say(f":::{{admonition}} {title}\n:class: dropdown\n{text}\n:::")
+
+
+def folded_source(title: str, note: str, *objects) -> None:
+    """The library's source of each object, whole, in a box that opens on a click, under a
+    note on what to read in it."""
+    import textwrap
+
+    blocks = "".join(f"\n```python\n{textwrap.dedent(inspect.getsource(o))}```\n"
+                     for o in objects)
+    say(f":::{{admonition}} {title}\n:class: dropdown\n{note}\n{blocks}:::")
 
 
 def show_source(*objects) -> None:

@@ -129,6 +129,62 @@ def test_the_map_is_compact_by_default_once_a_stage_is_lit(tiny_trace):
     assert "× 22 blocks" in machine_map(tiny_trace).data  # no stage: the map by stages
 
 
+
+def _centres(svg) -> dict[str, tuple[float, float]]:
+    """Each node's centre in the rendered SVG, by its DOT name (the middle of its outline)."""
+    import html
+
+    centres = {}
+    for name, body in re.findall(r'<g id="node\d+" class="node">\s*<title>([^<]*)</title>(.*?)</g>',
+                                 svg, re.S):
+        xs, ys = [], []
+        for pts in re.findall(r'points="([^"]+)"', body):
+            for pair in pts.split():
+                x, y = pair.split(",")
+                xs.append(float(x)), ys.append(float(y))
+        for cx, cy, rx, ry in re.findall(r'cx="([-\d.]+)" cy="([-\d.]+)" rx="([\d.]+)" '
+                                         r'ry="([\d.]+)"', body):
+            xs += [float(cx) - float(rx), float(cx) + float(rx)]
+            ys += [float(cy) - float(ry), float(cy) + float(ry)]
+        centres[html.unescape(name)] = ((min(xs) + max(xs)) / 2, (min(ys) + max(ys)) / 2)
+    return centres
+
+
+def test_the_compact_map_draws_the_block_as_one_row_beneath_the_pass(tiny_trace):
+    """The block's steps in one row, left to right in the order they run, under the pass's row;
+    the two residual connections are its only other lines (no line runs back across the row)."""
+    assert shutil.which("dot"), "Graphviz is not installed: run `make graphviz`"
+    from llmtrace_book.diagram import compact_dot, render_svg
+
+    dot = compact_dot(tiny_trace, "attn.*")
+    at = _centres(render_svg(dot))
+    block = ["b.x", "b.attn_norm", "b.qkv", "b.rope", "b.cache", "b.scores", "b.softmax",
+             "b.mix", "b.resid_mid", "b.mlp_norm", "b.mlp", "b.resid_out"]
+    passes = [n for n in at if n.startswith("p.")]
+    assert {round(at[n][1]) for n in block} == {round(at["b.qkv"][1])}  # one row
+    assert [at[n][0] for n in block] == sorted(at[n][0] for n in block)  # in order
+    assert len({round(at[n][1]) for n in passes}) == 1 and at["p.prompt"][1] < at["b.qkv"][1]
+    skips = re.findall(r'"b\.(\w+)" -> "b\.(\w+)" \[style=dashed\]', dot)
+    assert skips == [("x", "resid_mid"), ("resid_mid", "resid_out")]
+    assert "constraint=false" not in dot  # every line runs with the flow
+
+
+def test_the_map_by_stages_draws_the_residual_stream_as_one_line(tiny_trace):
+    """The stream (the block's input and its two sums) in one row; the halves' stages in the
+    row beneath, each half between the sums it reads from and adds into."""
+    assert shutil.which("dot"), "Graphviz is not installed: run `make graphviz`"
+    from llmtrace_book.diagram import render_svg, stage_dot
+
+    at = _centres(render_svg(stage_dot(tiny_trace)))
+    stream, halves = ["b.x", "b.resid_mid", "b.resid_out"], ["b.attn_norm", "b.attn",
+                                                             "b.mlp_norm", "b.mlp"]
+    assert len({round(at[n][1]) for n in stream}) == 1
+    assert len({round(at[n][1]) for n in halves}) == 1
+    assert at["b.x"][1] < at["b.attn"][1]  # the stream above (SVG y grows downwards)
+    x = {n: at[n][0] for n in stream + halves}
+    assert x["b.attn_norm"] < x["b.attn"] <= x["b.resid_mid"] <= x["b.mlp_norm"] < x["b.mlp"] \
+        <= x["b.resid_out"] and x["b.x"] < x["b.attn"]
+
 # The map by stages: what the first chapter shows, one screen high, the operations on hover.
 
 def _svg_size_px(svg):

@@ -10,11 +10,10 @@ from .errors import LlmTraceError
 from .generate import Tracing, generate
 from .lens import logit_lens
 from .model import meta_model, trace_shapes
-from . import families  # noqa: E402, F401  (each family's Model subclass registers itself)
 from .load import load_model
 from .sampling import sample
 from .trace import Patched, Trace
-from . import families  # noqa: F401  (registers Config.from_hf, Config.to_hf)
+from . import families  # noqa: F401  (each family registers its Model and its HF config mapping)
 from .weights import gguf  # noqa: F401  (registers Config.from_gguf)
 
 __all__ = ["Config", "LlmTraceError", "Tracing", "generate", "logit_lens", "meta_model",

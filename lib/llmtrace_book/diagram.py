@@ -180,27 +180,27 @@ def machine_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
     return "\n".join(out)
 
 
-# The compact map folds one block into two rows of steps (attention, then the MLP), each step a
-# group of the block's records.
+# The compact map draws one block as a row of steps (attention, then the MLP), each step a group
+# of the block's records.
 ATTN_STEPS = [
     ("attn_norm", "RMSNorm", ["attn_norm"]),
     ("qkv", "q, k, v", ["attn.q_proj", "attn.k_proj", "attn.v_proj",
                         "attn.q", "attn.k", "attn.v"]),
     ("rope", "RoPE", ["attn.rope_q", "attn.rope_k"]),
-    ("cache", "KV cache, GQA", ["attn.kv_cache.k", "attn.kv_cache.v",
+    ("cache", "KV cache\\nGQA", ["attn.kv_cache.k", "attn.kv_cache.v",
                                 "attn.k_expanded", "attn.v_expanded"]),
-    ("scores", "scores, mask", ["attn.scores", "attn.causal_mask", "attn.masked_scores"]),
+    ("scores", "scores\\nmask", ["attn.scores", "attn.causal_mask", "attn.masked_scores"]),
     ("softmax", "softmax", ["attn.weights"]),
-    ("mix", "mix, out", ["attn.weighted_sum", "attn.merged", "attn.out"]),
-    ("resid_mid", "+ x", ["resid_mid"]),
+    ("mix", "mix\\nout", ["attn.weighted_sum", "attn.merged", "attn.out"]),
+    ("resid_mid", "+", ["resid_mid"]),
 ]
 MLP_STEPS = [
     ("mlp_norm", "RMSNorm", ["mlp_norm"]),
-    ("mlp", "SwiGLU MLP", ["mlp.gate", "mlp.up", "mlp.act", "mlp.gated", "mlp.down",
+    ("mlp", "SwiGLU\\nMLP", ["mlp.gate", "mlp.up", "mlp.act", "mlp.gated", "mlp.down",
                            # a mixture of experts (moe.py) in its place
                            "mlp.router", "mlp.experts_chosen", "mlp.expert_weights",
                            "mlp.expert_out", "mlp.out"]),
-    ("resid_out", "+ x", ["resid_out"]),
+    ("resid_out", "+", ["resid_out"]),
 ]
 
 
@@ -226,8 +226,10 @@ SHORT_PASS = {"prompt": "text", "tokens": "tokens", "embed": "embedding",
 
 def compact_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
     """DOT text of the compact map, a few lines high: the whole pass in one row and, when the
-    stage is inside a block, the block folded into two rows of steps (attention, then the MLP)
-    beneath it, the chapter's stage lit. Each lit step in the pass shows its output's shape."""
+    stage is inside a block, the block's steps in a row beneath it (attention, then the MLP, the
+    residual connections dashed above), the chapter's stage lit. Each lit step in the pass shows
+    its output's shape. Each row is a rank of its own, so that neither row's widths space the
+    other's and no line crosses another."""
     highlight = [highlight] if isinstance(highlight, str) else list(highlight or ())
     layers = sorted({int(r.name.split(".")[1]) for r in trace if r.name.startswith("layers.")})
     if not layers:
@@ -237,42 +239,48 @@ def compact_dot(trace, highlight: str | list[str] = (), title: str = "") -> str:
     block_lit = any(_lit(n, highlight) for _, _, names in attn_steps + mlp_steps
                     for n in names)
 
-    out = ['digraph machine {', '  rankdir=LR; nodesep=0.1; ranksep=0.15;',
-           '  node [shape=box fontname="Helvetica" fontsize=11 margin="0.06,0.03" height=0.28];',
+    out = ['digraph machine {', '  rankdir=TB; nodesep=0.14; ranksep=0.3;',
+           '  node [shape=box fontname="Helvetica" fontsize=11 margin="0.06,0.03" height=0.28 '
+           'width=0.3];',
            '  edge [color="#616161" arrowsize=0.6];']
     if title:
         out.append(f'  label="{_dot_text(title)}"; labelloc=t; fontname="Helvetica"; fontsize=13;')
-    # the block first: Graphviz then puts the whole pass in the row beneath it
-    if block_lit:
-        out.append(f'  subgraph cluster_block {{ label="one block of {L}"; '
-                   'fontname="Helvetica"; fontsize=10; color="#bdbdbd";')
-        for steps in (attn_steps, mlp_steps):
-            for key, text, names in steps:
-                lit = any(_lit(n, highlight) for n in names)
-                out.append(f'    "b.{key}" [label="{text}" {LIT if lit else PLAIN}];')
-            out.append("    " + " -> ".join(f'"b.{key}"' for key, _, _ in steps) + ";")
-        out.append(f'    "b.resid_mid" -> "b.{mlp_steps[0][0]}" [constraint=false];')
-        # the block's input, and the two skips that add it back (dashed)
-        keys = {key for steps in (attn_steps, mlp_steps) for key, _, _ in steps}
-        out.append('    "b.x" [shape=point width=0.06 label=""];')
-        out.append(f'    "b.x" -> "b.{attn_steps[0][0]}" [arrowhead=none];')
-        for a, b in (("x", "resid_mid"), ("resid_mid", "resid_out")):
-            if b in keys and (a == "x" or a in keys):
-                out.append(f'    "b.{a}" -> "b.{b}" [style=dashed constraint=false];')
-        out.append('  }')
-    out.append('  subgraph cluster_pass { label="the whole pass"; fontname="Helvetica"; '
-               'fontsize=10; color="#bdbdbd";')
+    loop = _lit("token", highlight)  # the decode loop: the token goes back in, arcing above
+    label = ('the whole pass; dashed: the next token is appended, and the pass runs again'
+             '"; labelloc="b' if loop else "the whole pass")
+    out.append(f'  subgraph cluster_pass {{ label="{label}"; fontname="Helvetica"; '
+               'fontsize=10; peripheries=0;')  # no frames: the dashed arcs would cross them
     for key, _, rec in PASS:
         lit = _lit(key, highlight) or (key == "blocks" and block_lit)
         label = f"{L} blocks" if key == "blocks" else SHORT_PASS[key]
         if lit and rec and key != "blocks":
             label += "\\n" + _fmt_shape(trace.shape(rec))
         out.append(f'    "p.{key}" [label="{label}" {LIT if lit else PLAIN}];')
+    out.append("    {rank=same; " + " ".join(f'"p.{key}";' for key, _, _ in PASS) + "}")
     out.append("    " + " -> ".join(f'"p.{key}"' for key, _, _ in PASS) + ";")
-    if _lit("token", highlight):  # the decode loop: the token goes back in
-        out.append('    "p.token" -> "p.tokens" [style=dashed constraint=false '
-                   'label=" appended: the next step"];')
+    if loop:
+        out.append('    "p.tokens" -> "p.token" [dir=back style=dashed];')
     out.append('  }')
+    if block_lit:  # the block's row, beneath the pass
+        out.append(f'  subgraph cluster_block {{ label="one block of {L}, the dashed lines its '
+                   'residual connections"; fontname="Helvetica"; fontsize=10; peripheries=0; '
+                   'labelloc=b;')
+        steps = attn_steps + mlp_steps
+        out.append('    "b.x" [shape=point width=0.06 label=""];')
+        for key, text, names in steps:
+            lit = any(_lit(n, highlight) for n in names)
+            circle = " shape=circle width=0.22 margin=0 fixedsize=true" if text == "+" else ""
+            out.append(f'    "b.{key}" [label="{text}"{circle} {LIT if lit else PLAIN}];')
+        out.append('    {rank=same; "b.x"; ' + " ".join(f'"b.{k}";' for k, _, _ in steps) + "}")
+        out.append(f'    "b.x" -> "b.{steps[0][0]}" [arrowhead=none];')
+        out.append("    " + " -> ".join(f'"b.{key}"' for key, _, _ in steps) + ";")
+        # the block's input, and the two skips that add it back (dashed)
+        keys = {key for key, _, _ in steps}
+        for a, b in (("x", "resid_mid"), ("resid_mid", "resid_out")):
+            if b in keys and (a == "x" or a in keys):
+                out.append(f'    "b.{a}" -> "b.{b}" [style=dashed];')
+        out.append('  }')
+        out.append('  "p.prompt" -> "b.x" [style=invis];  # the block\'s row beneath, from the left')
     out.append('}')
     return "\n".join(out)
 
@@ -364,25 +372,36 @@ def stage_dot(trace, title: str = "") -> str:
         tip = _tip(records) if records else _dot_text(STAGE_TIPS[key])
         out.append(f'  "p.{key}" [label={label} tooltip="{tip}"];')
     tip = f"{L} blocks, one after the other: hover a stage for block 0's operations"
-    label = f"× {L} blocks: the same in shape, each with its own weights; {stream} in and out"
+    label = (f"× {L} blocks: the same in shape, each with its own weights; {stream} in and out."
+             "\\nThe bold line is the residual stream: each half reads it and adds into it.")
     out.append(f'  subgraph cluster_block {{ label="{label}"; fontname="Helvetica"; fontsize=10; '
                f'color="#9e9e9e"; labelloc=b; tooltip="{_dot_text(tip)}";')
+    # the stream in one row (its input and the two sums), each half's stages in the row beneath
     out.append(f'    "b.x" [shape=point width=0.06 label="" tooltip="{STAGE_TIPS["x"]}"];')
     for key, text, records in block:
         circle = ' shape=circle width=0.25 margin=0' if text == "+" else ""
         out.append(f'    "b.{key}" [label="{text}"{circle} tooltip="{_tip(records)}"];')
-    out.append('    {rank=same; "b.x"; ' + " ".join(f'"b.{k}";' for k, _, _ in block) + '}')
-    row = ["x"] + [k for k, _, _ in block]
-    for a, b in zip(row, row[1:]):
-        out.append(f'    "b.{a}" -> "b.{b}"{" [arrowhead=none]" * (a == "x")};')
-    for a, b in (("x", "resid_mid"), ("resid_mid", "resid_out")):
-        out.append(f'    "b.{a}" -> "b.{b}" [style=dashed tooltip="{STAGE_TIPS["residual"]}"];')
+    sums = ["x"] + [k for k, text, _ in block if text == "+"]
+    halves = [k for k, text, _ in block if text != "+"]
+    out.append("    {rank=same; " + " ".join(f'"b.{k}";' for k in sums) + "}")
+    out.append("    {rank=same; " + " ".join(f'"b.{k}";' for k in halves) + "}")
+    stream = f'penwidth=2.2 color="#37474f" tooltip="{STAGE_TIPS["residual"]}"'
+    for a, b in zip(sums, sums[1:]):
+        out.append(f'    "b.{a}" -> "b.{b}" [{stream}];')
+    keys = [k for k, _, _ in block]
+    for a, b in zip(["x"] + keys, keys):
+        if b in sums:  # a half adds into the stream: drawn upwards, ranked downwards
+            out.append(f'    "b.{b}" -> "b.{a}" [dir=back];')
+        else:
+            out.append(f'    "b.{a}" -> "b.{b}";')
     out.append('  }')
     chain = ["p.prompt", "p.tokens", "p.embed", "b.x", "b.resid_out", "p.final_norm",
              "p.lm_head", "p.last", "p.sample", "p.token"]
     for a, b in zip(chain, chain[1:]):
         if (a, b) != ("b.x", "b.resid_out"):
-            out.append(f'  "{a}" -> "{b}"{" [arrowhead=none]" * (b == "b.x")};')
+            extra = " [arrowhead=none]" if b == "b.x" else \
+                " [minlen=2]" if a == "b.resid_out" else ""  # beneath the halves' row
+            out.append(f'  "{a}" -> "{b}"{extra};')
     out.append('}')
     return "\n".join(out)
 
