@@ -31,11 +31,16 @@ def words(notebook: dict) -> int:
 
 
 def chapter_words(rev: str | None = None) -> dict[str, int]:
+    if rev is None:
+        names = [p.name for p in (ROOT / "notebooks").glob("*.ipynb")]
+    else:  # the chapters as that commit names them (they have been renumbered)
+        names = [Path(n).name for n in subprocess.check_output(
+            ["git", "ls-tree", "--name-only", rev, "notebooks/"], cwd=ROOT, text=True).split()]
     out = {}
-    for path in sorted((ROOT / "notebooks").glob("[01][0-9]_*.ipynb"))[:13]:
-        text = path.read_text() if rev is None else subprocess.check_output(
-            ["git", "show", f"{rev}:notebooks/{path.name}"], cwd=ROOT, text=True)
-        out[path.stem] = words(json.loads(text))
+    for name in sorted(n for n in names if re.match(r"[01][0-9]_.*\.ipynb$", n))[:13]:
+        text = (ROOT / "notebooks" / name).read_text() if rev is None else subprocess.check_output(
+            ["git", "show", f"{rev}:notebooks/{name}"], cwd=ROOT, text=True)
+        out[name.removesuffix(".ipynb")] = words(json.loads(text))
     return out
 
 

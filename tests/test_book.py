@@ -34,8 +34,8 @@ def browser():
     b.close()
 
 
-KEEP_DOM = {"index.html", "notebooks/04_rmsnorm.html", "notebooks/05_rope.html",
-            "notebooks/06_attention.html"}  # the pages whose content the tests below read
+KEEP_DOM = {"index.html", "notebooks/04_rmsnorm.html", "notebooks/06_rope.html",
+            "notebooks/05_attention.html"}  # the pages whose content the tests below read
 
 
 def figure_pages(built: Path) -> list[str]:
@@ -176,8 +176,8 @@ def test_index_redirects_to_the_intro(pages):
 
 
 def test_chapter_renders_title_table_and_figure(pages):
-    dom = pages["notebooks/06_attention.html"]["dom"]
-    assert "<title>6. Attention" in dom
+    dom = pages["notebooks/05_attention.html"]["dom"]
+    assert "<title>5. Attention" in dom
     assert "Values" in dom and "which model runs" in dom  # the one-line banner
     assert "layers.0.attn.scores" in dom and "[1, 32, 6, 6]" in dom  # TinyLlama's shape table
     assert '<img alt="_images/' in dom or 'src="../_images/' in dom  # a figure from the trace
@@ -188,7 +188,7 @@ def test_chapter_renders_title_table_and_figure(pages):
 def test_the_map_renders_with_the_stage_lit(built, pages):
     """Each stage chapter shows the map of the machine, drawn from a trace, as a vector image
     (SVG) with its own stage lit: here RoPE's records."""
-    dom = pages["notebooks/05_rope.html"]["dom"]
+    dom = pages["notebooks/06_rope.html"]["dom"]
     images = re.findall(r'<img[^>]* src="\.\./(_images/[0-9a-f]+\.svg)"', dom)
     maps = [t for t in ((built / i).read_text() for i in images) if "RoPE" in t or "rope_q" in t]
     assert len(maps) == 1, f"no map among the page's SVG images: {images}"
@@ -207,7 +207,7 @@ def test_screenshot_artifact(built, browser):
     browser.call("Emulation.setDeviceMetricsOverride", session=True, width=WIDTH, height=2400,
                  deviceScaleFactor=1, mobile=False)
     try:
-        browser.goto((built / "notebooks" / "06_attention.html").as_uri())
+        browser.goto((built / "notebooks" / "05_attention.html").as_uri())
         png = browser.call("Page.captureScreenshot", session=True, format="png")["data"]
     finally:
         browser.call("Emulation.setDeviceMetricsOverride", session=True, width=WIDTH,

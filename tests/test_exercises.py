@@ -325,12 +325,12 @@ def window_sees_one_more(T, start, window):
 
 
 def attention_tiled(x, w, c, layer):
-    from exercises.ch06_attention import attention_variant
+    from exercises.ch05_attention import attention_variant
     return attention_variant(x, w, c, layer, tiled=True)
 
 
 def attention_unscaled(x, w, c, layer):
-    from exercises.ch06_attention import attention_variant
+    from exercises.ch05_attention import attention_variant
     return attention_variant(x, w, c, layer, scaled=False)
 
 

@@ -335,8 +335,8 @@ def test_the_map_lights_the_chosen_record(page, runs, clicked):
     })()""")
     flow, mapped, head = seen
     assert flow["lit"] == ["rope"] and flow["record"] == "layers.3.attn.rope_q", flow
-    assert flow["frame"].startswith("layer 3 (of 30") and flow["link"].endswith("05_rope.html")
-    assert (HTML / "notebooks" / "05_rope.html").is_file()
+    assert flow["frame"].startswith("layer 3 (of 30") and flow["link"].endswith("06_rope.html")
+    assert (HTML / "notebooks" / "06_rope.html").is_file()
     assert mapped["lit"] == ["mlp"] and mapped["record"] == "layers.3.mlp.gate", mapped
     assert mapped["link"].endswith("07_ffn.html") and mapped["layer"] == "layer 3"
     assert head["lit"] == ["lm_head"] and head["record"] == "lm_head", head

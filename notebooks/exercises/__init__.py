@@ -21,7 +21,7 @@ words the verdicts, `page.py` writes the exercises page of the book.
 """
 
 from . import (ch01_model, ch02_tokenization, ch03_embedding, ch04_rmsnorm,  # noqa: F401
-               ch05_rope, ch06_attention, ch07_ffn, ch08_stack, ch09_lm_head, ch10_sampling,
+               ch05_attention, ch06_rope, ch07_ffn, ch08_stack, ch09_lm_head, ch10_sampling,
                ch11_decode_loop, ch13_whole_machine, ch14_inside_the_layers, ch15_induction,
                ch17_todays_models)
 from .registry import REGISTRY, check, plain_llama, size, solution

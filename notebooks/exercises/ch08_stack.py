@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from .ch06_attention import attention_from_weights, attention_variant, two_layers
+from .ch05_attention import attention_from_weights, attention_variant, two_layers
 from .ch07_ffn import activation
 from .registry import Case, exercise, run, stream_into, trace_of
 from .verdicts import shape, tensor_compare, tuple_compare

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from llmtrace_book import LlmTraceError, generate
 from llmtrace_book.rope import rope_frequencies
 
-from .ch05_rope import rope_rotate
+from .ch06_rope import rope_rotate
 from .ch07_ffn import activation
 from .registry import PROMPT, Case, Edited, Stub, ReturnedNone, copy_inputs, edited, \
     exercise, is_stub, run, store, trace_of

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from .ch06_attention import attention_from_weights
+from .ch05_attention import attention_from_weights
 from .ch07_ffn import activation
 from .ch08_stack import block_from_weights, block_variant
 from .registry import Case, exercise, run, trace_of

@@ -1,5 +1,5 @@
-"""Chapter 6: attention's steps on the first layer's tensors, then one layer's attention built
-from its weights."""
+"""Chapter 5: attention's steps on the first layer's tensors; and one layer's attention built
+from its weights, which needs RoPE and so closes chapter 6."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from llmtrace_book.rope import rope_frequencies
 
-from .ch05_rope import rope_rotate
+from .ch06_rope import rope_rotate
 from .registry import Case, caller, exercise, run, trace_of
 from .verdicts import shape, tensor_compare, tuple_compare
 
@@ -136,7 +136,7 @@ def _layer0(trace):
     return q, trace["layers.0.attn.k_expanded"], trace["layers.0.attn.v_expanded"]
 
 
-@exercise(6, attn_scores)
+@exercise(5, attn_scores)
 def _(model) -> Case:
     trace, c = trace_of(model), model.config
     q, k, _ = _layer0(trace)
@@ -155,7 +155,7 @@ def _(model) -> Case:
                      "transposed: row i is query i, column j key j: q @ k^T, not k @ q^T")])
 
 
-@exercise(6, future_mask)
+@exercise(5, future_mask)
 def _(model) -> Case:
     want = trace_of(model)["layers.0.attn.causal_mask"]
     T = want.shape[0]
@@ -200,7 +200,7 @@ def _(model) -> Case:
 SHIFT = 100.0  # added to the scores in the softmax check's second call
 
 
-@exercise(6, softmax)
+@exercise(5, softmax)
 def _(model) -> Case:
     trace = trace_of(model)
     scores, want = trace["layers.0.attn.masked_scores"], trace["layers.0.attn.weights"]
@@ -224,7 +224,7 @@ def _(model) -> Case:
                     (lambda s: s.exp(), "divide by the sum of each row: the weights sum to 1")])
 
 
-@exercise(6, expand_kv_heads)
+@exercise(5, expand_kv_heads)
 def _(model) -> Case:
     trace, c = trace_of(model), model.config
     k = trace["layers.0.attn.rope_k"].transpose(1, 2)  # [B, KV, S, hd]
@@ -238,7 +238,7 @@ def _(model) -> Case:
                      "repeat along the heads axis (dim 1), not the positions")])
 
 
-@exercise(6, weighted_sum)
+@exercise(5, weighted_sum)
 def _(model) -> Case:
     trace = trace_of(model)
     _, _, v = _layer0(trace)

@@ -1,4 +1,4 @@
-"""Chapter 5: RoPE's angles and its rotation."""
+"""Chapter 6: RoPE's angles and its rotation."""
 
 from typing import Callable
 
@@ -55,7 +55,7 @@ def rope_in(model) -> torch.Tensor:
                            else "layers.0.attn.q"]
 
 
-@exercise(5, rope_angles)
+@exercise(6, rope_angles)
 def _(model) -> Case:
     trace = trace_of(model)
     positions, hd, theta, stretch = rope_inputs(model)
@@ -96,7 +96,7 @@ def _(model) -> Case:
                      "rope_scaling)")])
 
 
-@exercise(5, rope_rotate)
+@exercise(6, rope_rotate)
 def _(model) -> Case:
     trace = trace_of(model)
     positions, hd, theta, stretch = rope_inputs(model)
