@@ -95,7 +95,7 @@ book/exercises.md: $(VENV)/.installed $(wildcard notebooks/exercises/*.py)
 	$(PY) notebooks/exercises/page.py
 
 book: setup graphviz $(MATHJAX) $(PLOTLY_JS) $(PAGE_JS) web book/exercises.md
-	$(VENV)/bin/jupyter-book build . -W -n --keep-going --config $(BOOK_CONFIG)
+	$(VENV)/bin/jupyter-book build . --all -W -n --keep-going --config $(BOOK_CONFIG)
 	$(WEB_PLACE)
 
 # JupyterLab on the chapters, in the project's environment (LAB_FLAGS=--no-browser on a server)
@@ -117,14 +117,15 @@ browser: graphviz
 # nbval executes every chapter and compares its outputs with the committed ones; the book is then
 # built from those outputs (_build/_config_test.yml: _config.yml with execution off). Two workers
 # share the two cores, one thread each (a notebook's cells stay on one worker: --dist loadscope);
-# the chapters come first, the longest work, so that the short tests fill the end
+# the chapters come first, the longest work, so that the short tests fill the end; every page is
+# rebuilt (--all), so that a renamed chapter leaves no page with the old sidebar
 test: setup graphviz $(MATHJAX) $(PLOTLY_JS) $(PAGE_JS) browser web book/exercises.md
 	OMP_NUM_THREADS=1 LLMTRACE_MODEL=embedded $(PY) -m pytest -n 2 --dist loadscope \
 		notebooks tests --ignore tests/test_book.py --ignore tests/test_page.py --ignore tests/test_wheel.py \
 		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
 	mkdir -p _build
 	sed 's/^  execute_notebooks: .*/  execute_notebooks: "off"/' $(BOOK_CONFIG) > _build/_config_test.yml
-	$(VENV)/bin/jupyter-book build . -W -n --keep-going --config _build/_config_test.yml
+	$(VENV)/bin/jupyter-book build . --all -W -n --keep-going --config _build/_config_test.yml
 	$(WEB_PLACE)
 	$(PY) -m pytest tests/test_book.py tests/test_page.py
 

@@ -170,6 +170,22 @@ def test_a_printed_page_shows_the_figures_static_image(built, pages, browser):
     assert any(plot != "none" and img == "none" for plot, img in on_screen), on_screen
 
 
+def test_every_link_between_pages_resolves(built):
+    """Every relative link and source of every page (the sidebar, the chapters' links to each
+    other, the figures) names a file of the built book: a renamed chapter leaves no dead link."""
+    dead = []
+    for page in sorted(built.glob("**/*.html")):
+        if page.relative_to(built).parts[0] in ("_static", "_sources"):
+            continue
+        for ref in re.findall(r'(?:href|src)="([^"]+)"', page.read_text(errors="replace")):
+            target = ref.split("#")[0].split("?")[0]
+            if not target or re.match(r"[a-z]+:|//", target):
+                continue  # a fragment of the page itself, or another site
+            if not (page.parent / target).exists():
+                dead.append(f"{page.relative_to(built)} -> {ref}")
+    assert not dead, f"{len(dead)} links name no file, the first: {dead[:5]}"
+
+
 def test_index_redirects_to_the_intro(pages):
     dom = pages["index.html"]["dom"]  # what the browser shows once index.html has redirected
     assert "The capital of France is" in dom and "TinyLlama-1.1B" in dom
